@@ -1,0 +1,164 @@
+"""The public engine: load a model once, then chat/generate with KV reuse across requests."""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from .arch import ModelAdapter
+from .cache import ChunkCache
+from .config import DEFAULT_CACHE_BYTES, DEFAULT_CHUNK_TOKENS, EngineConfig
+from .errors import InputError
+from .forward import Forward
+from .generation import Generation, GenerationStream
+from .hashing import model_fingerprint
+from .kv import SequenceKV
+from .loading import load_model_and_tokenizer, resolve_model_dir
+from .prompt import ChatRenderer, segments_from_prompt
+from .request import EngineParts, check_window, load_reused, run_request, store
+from .sampling import SamplingParams
+from .tokens import PromptTokenizer, TokenizedPrompt
+
+
+class Engine:
+    """An embedded inference engine that encodes repeated prompt text once.
+
+    Prompts are split into segments (template glue, system prompt, each message, each content
+    part), tokenized per segment and cut into chunks whose KV is cached in a radix tree. A new
+    request reuses the KV of its longest cached prefix, token for token, and computes only the
+    rest. `cache_bytes=0` turns reuse off (same code path, nothing stored).
+
+    Safe to call from several threads: forward passes are serialized, the cache is locked.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, config: EngineConfig | None = None,
+                 model_name: str | None = None, **options):
+        self.config = config or EngineConfig(**options)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
+        adapter = ModelAdapter(model)
+        self.adapter = adapter
+        self.fingerprint = model_fingerprint(model, adapter.rope_settings())
+        self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, adapter.geometry.bytes_per_token)
+        self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
+        self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self._parts = EngineParts(adapter, Forward(adapter), self.cache, self.prompt_tokenizer, tokenizer,
+                                  _eos_ids(model, tokenizer), threading.Lock(), self.config.chunk_tokens)
+        self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
+        self._counter_lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, device=None, dtype=None,
+                        cache_bytes: int = DEFAULT_CACHE_BYTES, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                        **options) -> "Engine":
+        """Load a model: None (the embedded SmolLM2-135M-Instruct), an HF directory, a .gguf file or a hub id."""
+        config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _resolve_dtype(dtype, device)
+        source = resolve_model_dir(model)
+        hf_model, tokenizer = load_model_and_tokenizer(source, device=device, dtype=dtype)
+        name = "SmolLM2-135M-Instruct" if model is None else os.fspath(model)
+        return cls(hf_model, tokenizer, config=config, model_name=name)
+
+    # ---- requests -----------------------------------------------------------------------
+    def chat(self, messages, **params) -> Generation:
+        """Answer OpenAI-style `messages`; params: max_new_tokens, temperature, top_p, top_k, stop, seed."""
+        return self.stream_chat(messages, **params).collect()
+
+    def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:
+        """Like `chat`, as a stream of text deltas; `.generation` holds the result at the end."""
+        prompt = self.encode_messages(messages, **(template_kwargs or {}))
+        return self._start(prompt, params)
+
+    def generate(self, prompt, **params) -> Generation:
+        """Continue a plain prompt: a string, or a sequence of segments (str, dict or Segment)."""
+        return self.stream(prompt, **params).collect()
+
+    def stream(self, prompt, **params) -> GenerationStream:
+        return self._start(self.encode_prompt(prompt), params)
+
+    def _start(self, prompt: TokenizedPrompt, params: dict) -> GenerationStream:
+        sampling = SamplingParams.build(**params)
+        check_window(self._parts, len(prompt), sampling.max_new_tokens)
+        cancel = threading.Event()
+        return GenerationStream(self._counted(run_request(self._parts, prompt, sampling, cancel)), cancel)
+
+    def _counted(self, run):
+        gen = yield from run
+        with self._counter_lock:
+            c = self._counters
+            c["requests"] += 1
+            c["prompt_tokens"] += gen.prompt_tokens
+            c["reused_tokens"] += gen.reused_tokens
+            c["generated_tokens"] += gen.completion_tokens
+        return gen
+
+    # ---- prompts ------------------------------------------------------------------------
+    def encode_messages(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> TokenizedPrompt:
+        """Messages -> segments (via the chat template) -> token ids and chunk boundaries."""
+        if self._renderer is None:
+            raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        segments = self._renderer.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.prompt_tokenizer.encode(segments, add_special_prefix=False)
+
+    def encode_prompt(self, prompt) -> TokenizedPrompt:
+        return self.prompt_tokenizer.encode(segments_from_prompt(prompt), add_special_prefix=True)
+
+    def count_tokens(self, text_or_messages) -> int:
+        """Prompt tokens the engine would use for a string or for messages."""
+        if isinstance(text_or_messages, str):
+            return len(self.encode_prompt(text_or_messages))
+        return len(self.encode_messages(text_or_messages))
+
+    # ---- cache control ------------------------------------------------------------------
+    def warm(self, text_or_messages, *, pin: bool = False) -> int:
+        """Compute and cache the KV of a prompt prefix (e.g. a system prompt) without generating.
+
+        Messages are rendered without the generation prompt, so the result is a prefix of later
+        chats. `pin=True` keeps it from eviction (raises BudgetError if it cannot fit).
+        Returns the number of tokens now cached for it.
+        """
+        if isinstance(text_or_messages, str):
+            prompt = self.encode_prompt(text_or_messages)
+        else:
+            prompt = self.encode_messages(text_or_messages, add_generation_prompt=False)
+        n = len(prompt)
+        check_window(self._parts, n, 0)
+        kv = SequenceKV(self.adapter.geometry, n, self.adapter.device)
+        reused = load_reused(self._parts, prompt, kv)
+        self._parts.compute(kv, prompt.token_ids[reused:], reused)
+        store(self._parts, prompt.token_ids, prompt.chunk_ends, kv, n, pin=pin)
+        return self.cache.match(prompt.token_ids).tokens
+
+    def stats(self) -> dict:
+        """Cache hits, misses, bytes used, evictions, and request counters."""
+        with self._counter_lock:
+            counters = dict(self._counters)
+        return {**self.cache.stats(), **counters}
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise InputError(f"dtype must be one of {', '.join(names)} or a torch.dtype, got {dtype!r}")
+    return names[dtype]
+
+
+def _eos_ids(model, tokenizer) -> frozenset:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,29 @@
+"""Errors raised by the engine. Every input error names the limit it broke."""
+
+
+class KVBoostError(Exception):
+    """Base class of all kvboost errors."""
+
+
+class InputError(KVBoostError, ValueError):
+    """A request or argument is malformed (empty prompt, unknown role, bad parameter)."""
+
+
+class ContextWindowError(InputError):
+    """Prompt plus requested new tokens do not fit the model's context window."""
+
+
+class ModelNotFoundError(KVBoostError, FileNotFoundError):
+    """A model path does not exist or a hub id cannot be fetched."""
+
+
+class UnsupportedModelError(KVBoostError):
+    """The architecture (or a feature of it) is not in the table of supported models."""
+
+
+class BudgetError(KVBoostError):
+    """A memory budget cannot hold what was asked (for example, pinning more than the cache holds)."""
+
+
+class CancelledError(KVBoostError):
+    """Generation was cancelled by the caller."""

@@ -1,0 +1,40 @@
+"""Our own loop over the decoder layers: embeddings, rotary, layers, final norm, lm_head."""
+from __future__ import annotations
+
+import torch
+
+from .arch import ModelAdapter
+from .attention import ATTENTION_NAME, AttentionStep
+from .kv import SequenceKV
+
+
+def use_kvboost_attention(model: torch.nn.Module) -> None:
+    """Route the model's attention modules to our function (plain HF calls still fall back to SDPA)."""
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except (AttributeError, ValueError, KeyError):
+        model.config._attn_implementation = ATTENTION_NAME
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.config._attn_implementation = ATTENTION_NAME
+
+
+class Forward:
+    """Runs new tokens over a sequence's KV and returns last-position logits."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+        use_kvboost_attention(adapter.model)
+
+    @torch.inference_mode()
+    def __call__(self, kv: SequenceKV, token_ids: list[int], start: int) -> torch.Tensor:
+        """Compute KV for `token_ids` at positions start.. and return logits [vocab] (fp32)."""
+        a = self.adapter
+        end = start + len(token_ids)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=a.device)          # [1, N]
+        positions = torch.arange(start, end, device=a.device)[None, :]              # [1, N]
+        hidden = a.embed(ids)                                                       # [1, N, hidden]
+        rope = a.position_embeddings(hidden, positions)
+        step = AttentionStep(kv, start, end, a.layer_windows)
+        for layer_idx in range(len(a.layers)):
+            hidden = a.run_layer(layer_idx, hidden, rope, positions, step)
+        return a.logits_last(hidden)

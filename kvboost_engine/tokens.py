@@ -1,0 +1,74 @@
+"""Segments -> token ids (each segment on its own) and chunk boundaries."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .prompt import Segment
+
+
+@dataclass(slots=True)
+class TokenizedPrompt:
+    """Token ids of a whole prompt with the chunk boundaries the cache stores it by."""
+
+    token_ids: list[int]
+    chunk_ends: list[int]                      # exclusive end of each chunk, ascending, last == len
+    chunk_kinds: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class PromptTokenizer:
+    """Tokenizes segments independently and cuts them into chunks of at most `chunk_tokens`.
+
+    It also remembers the exact ids the model generated for recent replies: when a reply comes
+    back as an assistant message in the next turn, those ids are used instead of re-tokenizing
+    its text (which may tokenize differently), so the reply's cached KV matches token for token.
+    """
+
+    def __init__(self, tokenizer, chunk_tokens: int, memo_entries: int = 512):
+        self.tokenizer = tokenizer
+        self.chunk_tokens = chunk_tokens
+        self.memo_entries = memo_entries
+        self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.special_prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])
+
+    def encode(self, segments: list[Segment], *, add_special_prefix: bool) -> TokenizedPrompt:
+        ids: list[int] = []
+        ends: list[int] = []
+        kinds: list[str] = []
+        if add_special_prefix and self.special_prefix:
+            ids.extend(self.special_prefix)
+            ends.append(len(ids))
+            kinds.append("glue")
+        for seg in segments:
+            seg_ids = self._segment_ids(seg)
+            for cut in range(0, len(seg_ids), self.chunk_tokens):
+                ids.extend(seg_ids[cut:cut + self.chunk_tokens])
+                ends.append(len(ids))
+                kinds.append(seg.kind)
+        return TokenizedPrompt(ids, ends, kinds)
+
+    def _segment_ids(self, seg: Segment) -> list[int]:
+        if not seg.text:
+            return []
+        if seg.kind == "assistant":
+            with self._lock:
+                remembered = self._memo.get(seg.text)
+                if remembered is not None:
+                    self._memo.move_to_end(seg.text)
+                    return list(remembered)
+        return list(self.tokenizer(seg.text, add_special_tokens=False)["input_ids"])
+
+    def remember_reply(self, text: str, token_ids: list[int]) -> None:
+        """Record that `token_ids` (decoding to exactly `text`) is what the model generated."""
+        if not text or self.memo_entries == 0:
+            return
+        with self._lock:
+            self._memo[text] = tuple(token_ids)
+            self._memo.move_to_end(text)
+            while len(self._memo) > self.memo_entries:
+                self._memo.popitem(last=False)

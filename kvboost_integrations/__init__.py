@@ -1,0 +1,1 @@
+"""Framework adapters (LangChain, LlamaIndex) on top of kvboost_engine."""
