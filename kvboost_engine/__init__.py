@@ -5,9 +5,10 @@ from .errors import (BudgetError, CancelledError, ContextWindowError, InputError
                      ModelNotFoundError, UnsupportedModelError)
 from .generation import Generation, GenerationStream
 from .prompt import Segment
+from .shared import shared_engine
 
 __all__ = [
-    "Engine", "EngineConfig", "Generation", "GenerationStream", "Segment",
+    "Engine", "EngineConfig", "shared_engine", "Generation", "GenerationStream", "Segment",
     "KVBoostError", "InputError", "ContextWindowError", "ModelNotFoundError",
     "UnsupportedModelError", "BudgetError", "CancelledError",
 ]

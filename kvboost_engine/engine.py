@@ -95,6 +95,24 @@ class Engine:
             c["generated_tokens"] += gen.completion_tokens
         return gen
 
+    def next_token_logits(self, prompt=None, *, messages=None) -> torch.Tensor:
+        """Logits [vocab] (fp32) for the token after a prompt or messages, through the same
+        reuse path as generation (the prompt's KV is looked up and stored as usual)."""
+        if (prompt is None) == (messages is None):
+            raise InputError("pass exactly one of prompt or messages")
+        tokenized = self.encode_prompt(prompt) if messages is None else self.encode_messages(messages)
+        check_window(self._parts, len(tokenized), 1)
+        kv = SequenceKV(self.adapter.geometry, len(tokenized), self.adapter.device)
+        reused = load_reused(self._parts, tokenized, kv)
+        logits = self._parts.compute(kv, tokenized.token_ids[reused:], reused)
+        store(self._parts, tokenized.token_ids, tokenized.chunk_ends, kv, len(tokenized))
+        return logits
+
+    @property
+    def context_window(self) -> int:
+        """Most tokens (prompt + generated) one request may hold."""
+        return self.adapter.context_window
+
     # ---- prompts ------------------------------------------------------------------------
     def encode_messages(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> TokenizedPrompt:
         """Messages -> segments (via the chat template) -> token ids and chunk boundaries."""

@@ -81,7 +81,7 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
         gen.finish_reason = "length"
         while True:
             gen.token_ids.append(token)
-            if token in parts.eos_ids:
+            if token in parts.eos_ids and not params.ignore_eos:
                 gen.finish_reason = "stop"
                 break
             delta = text.add(token)

@@ -10,7 +10,8 @@ from .errors import InputError
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 is greedy."""
+    """How to pick tokens and when to stop. temperature 0 is greedy; ignore_eos (for
+    benchmarks) keeps decoding past EOS until max_new_tokens or a stop string."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -18,9 +19,11 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     @classmethod
-    def build(cls, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None) -> "SamplingParams":
+    def build(cls, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None,
+              ignore_eos=False) -> "SamplingParams":
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if not isinstance(temperature, (int, float)) or temperature < 0:
@@ -33,7 +36,7 @@ class SamplingParams:
             raise InputError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InputError(f"seed must be an int or None, got {seed!r}")
-        return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed)
+        return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed, bool(ignore_eos))
 
 
 def _stops(stop) -> tuple[str, ...]:

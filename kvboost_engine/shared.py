@@ -1,0 +1,46 @@
+"""Engines shared across callers: the same model and options give the same engine.
+
+Loading a model is expensive; integrations (and users) ask here instead of constructing
+engines, so two LangChain/LlamaIndex objects with the same settings use one engine and one
+cache.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .engine import Engine
+
+
+class EngineRegistry:
+    """Thread-safe map from (model, options) to a lazily loaded Engine."""
+
+    def __init__(self):
+        self._engines: dict[tuple, Engine] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model=None, **options) -> Engine:
+        key = _key(model, options)
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is None:
+                engine = Engine.from_pretrained(model, **options)
+                self._engines[key] = engine
+            return engine
+
+    def clear(self) -> None:
+        with self._lock:
+            self._engines.clear()
+
+
+def _key(model, options: dict) -> tuple:
+    name = None if model is None else os.path.abspath(os.fspath(model)) if os.path.exists(os.fspath(model)) else os.fspath(model)
+    return (name, tuple(sorted((k, repr(v)) for k, v in options.items())))
+
+
+_REGISTRY = EngineRegistry()
+
+
+def shared_engine(model=None, **options) -> Engine:
+    """The process-wide engine for `model` and `options` (loaded on first use)."""
+    return _REGISTRY.get(model, **options)

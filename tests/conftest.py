@@ -1,0 +1,31 @@
+"""Shared fixtures: the real default model (loaded once) and tiny random models."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvboost_engine import Engine
+from kvboost_engine.loading import default_model_dir, load_model_and_tokenizer
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """(model, tokenizer) of the default SmolLM2-135M-Instruct, fp32 on CPU."""
+    model, tokenizer = load_model_and_tokenizer(default_model_dir(), device=torch.device("cpu"), dtype=torch.float32)
+    return model, tokenizer
+
+
+@pytest.fixture
+def engine(smol):
+    model, tokenizer = smol
+    return Engine(model, tokenizer, cache_bytes=512 * 2**20)
+
+
+@pytest.fixture
+def cold_engine(smol):
+    model, tokenizer = smol
+    return Engine(model, tokenizer, cache_bytes=0)
