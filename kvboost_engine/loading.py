@@ -10,9 +10,11 @@ import fcntl
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import zipfile
 from pathlib import Path
 
@@ -70,7 +72,7 @@ def default_model_dir() -> Path:
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """Convert a user's .gguf once; the cache entry is keyed by path, size and mtime."""
     stat = gguf_path.stat()
-    ident = xxhash.xxh64_hexdigest(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+    ident = xxhash.xxh64_hexdigest(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "models" / f"{gguf_path.stem}-{ident}"
     if not (target / _COMPLETE).exists():
         with _build_lock(target):
@@ -158,6 +160,29 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _hub_source(model_id: str) -> str:
+    """A hub id: served from the local HF cache if there, else only if the hub is reachable.
+
+    Fails fast (a few seconds) instead of letting the hub client retry for half a minute.
+    """
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(model_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached; try the network below
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise ModelNotFoundError(f"{model_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as err:
+        raise ModelNotFoundError(
+            f"could not load {model_id!r}: it is not a local path, not in the Hugging Face cache, "
+            f"and the hub ({host}) is unreachable ({err})"
+        ) from err
+    return model_id
+
+
 @contextlib.contextmanager
 def _build_lock(target: Path):
     """Only one process converts a given model; the others wait and then reuse its result."""
@@ -177,6 +202,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype):
     from .arch import check_supported
 
     local = isinstance(source, Path)
+    if not local:
+        source = _hub_source(source)
     try:
         config = AutoConfig.from_pretrained(source)
     except OSError as err:
