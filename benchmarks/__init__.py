@@ -1,0 +1,1 @@
+"""Side-by-side measurements; each module is runnable with `python -m benchmarks.<name>`."""

@@ -1,0 +1,30 @@
+"""Shared benchmark plumbing: the default model, and a record of the machine and settings."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+import torch
+
+from kvboost_engine.loading import default_model_dir, load_model_and_tokenizer
+
+
+def load_default(dtype=torch.float32):
+    model, tokenizer = load_model_and_tokenizer(default_model_dir(), device=torch.device("cpu"), dtype=dtype)
+    return model, tokenizer
+
+
+def environment(model) -> dict:
+    """What a reader needs to reproduce a figure: model, dtype, threads, machine, versions, date."""
+    import transformers
+    param = next(model.parameters())
+    return {
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)",
+        "dtype": str(param.dtype), "device": str(param.device),
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "date": datetime.date.today().isoformat(),
+        "load_average": os.getloadavg()[0],
+    }
