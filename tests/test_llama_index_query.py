@@ -13,7 +13,8 @@ from llama_index.core.base.response.schema import AsyncStreamingResponse, Stream
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 
 from kvboost_engine import Engine  # noqa: E402
-from kvboost_integrations.llama_index import DOCUMENT_BLOCKS, KVBoost, KVBoostSynthesizer, as_query_engine  # noqa: E402
+from kvboost_integrations.llama_index import (DOCUMENT_BLOCKS, KVBoost, KVBoostSynthesizer, ReuseRecorder,  # noqa: E402
+                                              as_query_engine)
 from llama_index_corpus import CORPUS, QUESTIONS, HashEmbedding, LLMRecorder  # noqa: E402
 
 TOP_K = 3
@@ -63,15 +64,15 @@ def test_node_aligned_query_engine_sync_async_and_streaming(llm, index):
 
 def test_stock_query_engine_works_unmodified(llm, index):
     engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K)
-    with LLMRecorder() as recorder:
+    with ReuseRecorder() as recorder:
         response = engine.query(QUESTIONS[1])
         again = asyncio.run(engine.aquery(QUESTIONS[1]))
         streamed = index.as_query_engine(llm=llm, similarity_top_k=TOP_K, streaming=True).query(QUESTIONS[1])
         streamed_text = "".join(streamed.response_gen)
     assert str(response).strip() and ref_ids(response) == ["copper", "apples", "honey"]
     assert str(again) == str(response) == streamed_text
-    assert len(recorder.calls) == 3 and all(c["raw"] and "kvboost" in c["raw"] for c in recorder.calls)
-    repeat = recorder.calls[1]["raw"]["kvboost"]
+    assert len(recorder.records) == 3                                  # sync, async and streamed calls
+    repeat = recorder.records[1]
     assert repeat["reused_exact"] == repeat["prompt_tokens"] - 1        # the repeated prompt is reused
 
 

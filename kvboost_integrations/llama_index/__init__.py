@@ -14,6 +14,7 @@ from .llm import KVBoost
 from .messages import DOCUMENT_BLOCKS, ModelTokenizer, document_message, to_engine_messages
 from .query import as_query_engine, prompt_helper
 from .synthesizer import KVBoostSynthesizer
+from .telemetry import ReuseRecorder
 
-__all__ = ["KVBoost", "KVBoostSynthesizer", "as_query_engine", "prompt_helper", "ModelTokenizer",
+__all__ = ["KVBoost", "KVBoostSynthesizer", "as_query_engine", "prompt_helper", "ReuseRecorder", "ModelTokenizer",
            "DOCUMENT_BLOCKS", "document_message", "to_engine_messages"]

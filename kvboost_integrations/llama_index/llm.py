@@ -159,33 +159,41 @@ class KVBoost(LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer chat messages (document blocks stay separate cached parts)."""
         return last(self._chats(self._chat_call(messages, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Like `chat`, one response per text delta; the last one carries usage and telemetry."""
         return self._chats(self._chat_call(messages, kwargs))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete a prompt: a user message through the chat template, or plain text if `formatted`."""
         return last(self._completions(self._completion_call(prompt, formatted, kwargs)))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """Like `complete`, one response per text delta; the last one carries usage and telemetry."""
         return self._completions(self._completion_call(prompt, formatted, kwargs))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """`chat` decoded off the event loop; cancelling the task stops decoding."""
         return await alast(self._achats(self._chat_call(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """`stream_chat` as an async generator, decoded off the event loop."""
         return self._achats(self._chat_call(messages, kwargs))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """`complete` decoded off the event loop; cancelling the task stops decoding."""
         return await alast(self._acompletions(self._completion_call(prompt, formatted, kwargs)))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
+        """`stream_complete` as an async generator, decoded off the event loop."""
         return self._acompletions(self._completion_call(prompt, formatted, kwargs))

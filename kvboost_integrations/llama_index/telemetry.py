@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
+from llama_index.core.bridge.pydantic import Field
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
+
 _SUMMED = ("prompt_tokens", "reused_tokens", "reused_exact", "reused_moved", "recomputed",
            "completion_tokens", "document_tokens", "document_tokens_reused")
 
@@ -47,3 +52,34 @@ class SynthesisTelemetry:
                 yield response.delta
             if response.raw:
                 self.add(response.raw)
+
+
+class ReuseRecorder(BaseEventHandler):
+    """Collects the `kvboost` telemetry of every LLM call, wherever it was made (stock
+    synthesizers, chat engines, agents), through LlamaIndex instrumentation.
+
+    ```python
+    with ReuseRecorder() as recorder:
+        query_engine.query("...")
+    recorder.records[-1]["reused_tokens"]
+    ```
+    """
+
+    records: list = Field(default_factory=list)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ReuseRecorder"
+
+    def handle(self, event, **kwargs) -> None:
+        if isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)) and event.response is not None:
+            raw = event.response.raw
+            if isinstance(raw, dict) and "kvboost" in raw:
+                self.records.append(raw["kvboost"])
+
+    def __enter__(self) -> "ReuseRecorder":
+        get_dispatcher().add_event_handler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        get_dispatcher().event_handlers.remove(self)
