@@ -80,3 +80,16 @@ def test_telemetry_sums_calls_and_reports_document_reuse():
     assert data["llm_calls"] == 3 and data["prompt_tokens"] == 150 and data["reused_tokens"] == 90
     assert data["document_reuse"] == pytest.approx(50 / 80)
     assert data["ttft_s"] == 0.1 and len(data["calls"]) == 2
+
+
+def test_document_reuse_counts_documents_inside_the_exact_prefix_plus_moved():
+    from kvboost_engine import Generation
+    from kvboost_engine.tokens import TokenizedPrompt
+    from kvboost_integrations._bridge import document_reuse
+
+    # glue 0-10, document 10-40, glue 40-42, document 42-62, query 62-70
+    prompt = TokenizedPrompt(list(range(70)), [10, 40, 42, 62, 70], ["glue", "document", "glue", "document", "user"])
+    assert document_reuse(prompt, Generation(reused_exact=25)) == {"document_tokens": 50, "document_tokens_reused": 15}
+    assert document_reuse(prompt, Generation(reused_exact=50))["document_tokens_reused"] == 30 + 8
+    assert document_reuse(prompt, Generation(reused_exact=10, reused_moved=20))["document_tokens_reused"] == 20
+    assert document_reuse(prompt, Generation(reused_exact=69, reused_moved=5))["document_tokens_reused"] == 50
