@@ -3,6 +3,8 @@
 - `resolve_engine`: an explicit engine, or the shared one for (model, options), built lazily.
 - `generation_metadata`: our telemetry as a flat dict for response metadata.
 - `aiter_stream`: run a GenerationStream off the event loop; cancelling the consumer stops decoding.
+- `engine_options`: the engine options a caller set, so equal settings share one engine.
+- `document_reuse`: document tokens of a prompt and how many of them were reused.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from kvboost_engine import Engine, Generation, GenerationStream, shared_engine
+from kvboost_engine.tokens import TokenizedPrompt
 
 
 def resolve_engine(engine: Engine | None, model=None, options: dict | None = None) -> Engine:
@@ -67,3 +70,31 @@ async def aiter_stream(start: Callable[[], GenerationStream]) -> AsyncIterator[s
         cancelled.set()
         for stream in started:
             stream.cancel()
+
+
+def engine_options(**options) -> dict:
+    """The engine options a caller actually set (None means "engine default").
+
+    Leaving unset options out keeps the shared-engine key equal for classes (LangChain,
+    LlamaIndex) that expose the same settings with different defaults.
+    """
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def document_reuse(prompt: TokenizedPrompt, gen: Generation) -> dict:
+    """How many of a prompt's document tokens there were and how many came from the cache.
+
+    Exact reuse is a prefix, so the document tokens inside the first `reused_exact` positions
+    are counted exactly. Moved reuse is counted as document tokens (documents are the parts
+    marked reusable at any position), capped at the document total.
+    """
+    document_tokens = 0
+    in_exact_prefix = 0
+    start = 0
+    for end, kind in zip(prompt.chunk_ends, prompt.chunk_kinds):
+        if kind == "document":
+            document_tokens += end - start
+            in_exact_prefix += max(0, min(end, gen.reused_exact) - start)
+        start = end
+    reused = min(document_tokens, in_exact_prefix + gen.reused_moved)
+    return {"document_tokens": document_tokens, "document_tokens_reused": reused}
