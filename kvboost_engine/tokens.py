@@ -5,6 +5,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .chunking import content_cuts
 from .prompt import Segment
 
 
@@ -21,7 +22,10 @@ class TokenizedPrompt:
 
 
 class PromptTokenizer:
-    """Tokenizes segments independently and cuts them into chunks of at most `chunk_tokens`.
+    """Tokenizes segments independently and cuts them into content-defined chunks.
+
+    Segment edges are always chunk edges; inside a segment, cuts are content-defined
+    (see chunking.py), at most `chunk_tokens` apart.
 
     It also remembers the exact ids the model generated for recent replies: when a reply comes
     back as an assistant message in the next turn, those ids are used instead of re-tokenizing
@@ -46,11 +50,17 @@ class PromptTokenizer:
             kinds.append("glue")
         for seg in segments:
             seg_ids = self._segment_ids(seg)
-            for cut in range(0, len(seg_ids), self.chunk_tokens):
-                ids.extend(seg_ids[cut:cut + self.chunk_tokens])
-                ends.append(len(ids))
+            base = len(ids)
+            ids.extend(seg_ids)
+            for cut in self.cuts(seg_ids):
+                ends.append(base + cut)
                 kinds.append(seg.kind)
         return TokenizedPrompt(ids, ends, kinds)
+
+    def cuts(self, token_ids: list[int]) -> list[int]:
+        """Content-defined chunk ends inside one segment (average chunk_tokens / 8 tokens)."""
+        average = max(8, self.chunk_tokens // 8)
+        return content_cuts(token_ids, min_tokens=average // 2, avg_tokens=average, max_tokens=self.chunk_tokens)
 
     def _segment_ids(self, seg: Segment) -> list[int]:
         if not seg.text:
