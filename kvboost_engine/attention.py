@@ -42,6 +42,48 @@ class AttentionStep:
         return out.transpose(1, 2)
 
 
+class ScatterStep:
+    """One forward over active tokens at arbitrary positions (moved-reuse repair).
+
+    Fresh K/V of the active tokens overwrite the buffer at their positions; every query sees
+    all keys up to its own position (cached, re-rotated or fresh). With `measure`, the
+    per-token deviation of fresh from cached K/V is recorded before overwriting.
+    """
+
+    __slots__ = ("kv", "positions", "end", "masks", "layer_windows", "measure", "deviation")
+
+    def __init__(self, kv: SequenceKV, positions: torch.Tensor, end: int, layer_windows: tuple, measure: bool):
+        self.kv = kv
+        self.positions = positions                      # [A] ascending absolute positions
+        self.end = end
+        self.layer_windows = layer_windows
+        self.measure = measure
+        self.deviation = None
+        k_pos = torch.arange(end, device=positions.device)[None, :]
+        q_pos = positions[:, None]
+        self.masks = {}
+        for w in set(layer_windows):
+            mask = k_pos <= q_pos
+            if w is not None:
+                mask &= k_pos > q_pos - w
+            self.masks[w] = mask
+
+    def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
+        # query [1, H, A, D]; keys/values [1, Hkv, A, D] -> output [1, A, H, D]
+        cached_k = self.kv.data[0, layer, :, :, self.positions]
+        cached_v = self.kv.data[1, layer, :, :, self.positions]
+        if self.measure:
+            self.deviation = ((keys - cached_k) ** 2).sum((0, 1, 3)) + ((values - cached_v) ** 2).sum((0, 1, 3))
+        self.kv.data[0, layer, :, :, self.positions] = keys
+        self.kv.data[1, layer, :, :, self.positions] = values
+        all_keys, all_values = self.kv.view(layer, self.end)
+        out = F.scaled_dot_product_attention(
+            query, all_keys, all_values, attn_mask=self.masks[self.layer_windows[layer]],
+            scale=scaling, enable_gqa=query.shape[1] != all_keys.shape[1],
+        )
+        return out.transpose(1, 2)
+
+
 def causal_mask(start: int, end: int, window: int | None, device) -> torch.Tensor | None:
     """Bool mask [N, end] (True = attend) for queries at start..end, or None when not needed.
 

@@ -7,6 +7,7 @@ from .errors import InputError
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CHUNK_TOKENS = 256
+MOVED_STRATEGIES = ("blend", "none", "full")
 
 
 @dataclass(slots=True, frozen=True)
@@ -18,11 +19,19 @@ class EngineConfig:
     chunk_tokens: longest chunk stored as one cache node; segments longer than this are cut.
     reply_memo_entries: how many recent replies remember the exact token ids the model
         generated, so the next turn's prompt re-uses those ids instead of re-tokenizing.
+    moved_reuse: what to do with documents / plain text found cached at another position:
+        "blend" (default) re-rotates their keys and recomputes the `recompute_ratio` share of
+        tokens whose KV deviates most at `check_layer` (plus the first `recompute_head_tokens`
+        of each moved span); "none" re-rotates only; "full" recomputes them all (no moved reuse).
     """
 
     cache_bytes: int = DEFAULT_CACHE_BYTES
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     reply_memo_entries: int = 512
+    moved_reuse: str = "blend"
+    recompute_ratio: float = 0.15
+    recompute_head_tokens: int = 4
+    check_layer: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
@@ -31,3 +40,9 @@ class EngineConfig:
             raise InputError(f"chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}")
         if self.reply_memo_entries < 0:
             raise InputError("reply_memo_entries must be >= 0")
+        if self.moved_reuse not in MOVED_STRATEGIES:
+            raise InputError(f"moved_reuse must be one of {', '.join(MOVED_STRATEGIES)}, got {self.moved_reuse!r}")
+        if not 0 <= self.recompute_ratio <= 1:
+            raise InputError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if self.recompute_head_tokens < 0 or self.check_layer < 0:
+            raise InputError("recompute_head_tokens and check_layer must be >= 0")

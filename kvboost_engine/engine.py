@@ -16,7 +16,9 @@ from .hashing import model_fingerprint
 from .kv import SequenceKV
 from .loading import load_model_and_tokenizer, resolve_model_dir
 from .prompt import ChatRenderer, segments_from_prompt
-from .request import EngineParts, check_window, load_reused, run_request, store
+from .prefill import PrefillParts
+from .request import EngineParts, check_window, prefill_prompt, run_request, store
+from .rope import RopeMover
 from .sampling import SamplingParams
 from .tokens import PromptTokenizer, TokenizedPrompt
 
@@ -44,8 +46,9 @@ class Engine:
         self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, adapter.geometry.bytes_per_token)
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
         self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        self._parts = EngineParts(adapter, Forward(adapter), self.cache, self.prompt_tokenizer, tokenizer,
-                                  _eos_ids(model, tokenizer), threading.Lock(), self.config.chunk_tokens)
+        prefill_parts = PrefillParts(adapter, Forward(adapter), self.cache, RopeMover(adapter), self.config,
+                                     threading.Lock())
+        self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, _eos_ids(model, tokenizer))
         self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
         self._counter_lock = threading.Lock()
 
@@ -103,10 +106,9 @@ class Engine:
         tokenized = self.encode_prompt(prompt) if messages is None else self.encode_messages(messages)
         check_window(self._parts, len(tokenized), 1)
         kv = SequenceKV(self.adapter.geometry, len(tokenized), self.adapter.device)
-        reused = load_reused(self._parts, tokenized, kv)
-        logits = self._parts.compute(kv, tokenized.token_ids[reused:], reused)
-        store(self._parts, tokenized.token_ids, tokenized.chunk_ends, kv, len(tokenized))
-        return logits
+        done = prefill_prompt(self._parts, tokenized, kv, 1)
+        store(self._parts, tokenized, kv, len(tokenized), done.exact_upto)
+        return done.logits
 
     @property
     def context_window(self) -> int:
@@ -145,10 +147,9 @@ class Engine:
         n = len(prompt)
         check_window(self._parts, n, 0)
         kv = SequenceKV(self.adapter.geometry, n, self.adapter.device)
-        reused = load_reused(self._parts, prompt, kv)
-        self._parts.compute(kv, prompt.token_ids[reused:], reused)
-        store(self._parts, prompt.token_ids, prompt.chunk_ends, kv, n, pin=pin)
-        return self.cache.match(prompt.token_ids).tokens
+        done = prefill_prompt(self._parts, prompt, kv, 0)
+        store(self._parts, prompt, kv, n, done.exact_upto, pin=pin)
+        return sum(span.length for span in self.cache.match(prompt.token_ids))
 
     def stats(self) -> dict:
         """Cache hits, misses, bytes used, evictions, and request counters."""

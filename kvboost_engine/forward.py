@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from .arch import ModelAdapter
-from .attention import ATTENTION_NAME, AttentionStep
+from .attention import ATTENTION_NAME, AttentionStep, ScatterStep
+from .blend import Selector
 from .kv import SequenceKV
 
 
@@ -37,4 +38,23 @@ class Forward:
         step = AttentionStep(kv, start, end, a.layer_windows)
         for layer_idx in range(len(a.layers)):
             hidden = a.run_layer(layer_idx, hidden, rope, positions, step)
+        return a.logits_last(hidden)
+
+    @torch.inference_mode()
+    def scattered(self, kv: SequenceKV, token_ids: list[int], positions: torch.Tensor, end: int,
+                  selector: Selector | None = None) -> torch.Tensor:
+        """Compute the tokens at `positions` (ascending, the last one is end - 1) over the KV
+        already in `kv`; with a selector, narrow to the tokens it keeps after its check layer."""
+        a = self.adapter
+        positions = positions.to(a.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None]   # [1, A]
+        hidden = a.embed(ids)                                                                # [1, A, hidden]
+        for layer_idx in range(len(a.layers)):
+            measure = selector is not None and layer_idx == selector.layer
+            step = ScatterStep(kv, positions, end, a.layer_windows, measure)
+            rope = a.position_embeddings(hidden, positions[None])
+            hidden = a.run_layer(layer_idx, hidden, rope, positions[None], step)
+            if measure:
+                keep = selector.keep(step.deviation).to(a.device)
+                hidden, positions = hidden[:, keep], positions[keep]
         return a.logits_last(hidden)

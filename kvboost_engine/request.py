@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from .arch import ModelAdapter
-from .cache import ChunkCache
 from .detok import TextAssembler
 from .errors import ContextWindowError
-from .forward import Forward
 from .generation import Generation
 from .kv import SequenceKV
+from .prefill import Prefilled, PrefillParts, prefill
 from .sampling import Sampler, SamplingParams
 from .tokens import PromptTokenizer, TokenizedPrompt
 
@@ -26,18 +25,18 @@ from .tokens import PromptTokenizer, TokenizedPrompt
 class EngineParts:
     """What a request needs from the engine (no back-reference to the engine itself)."""
 
-    adapter: ModelAdapter
-    forward: Forward
-    cache: ChunkCache
+    prefill: PrefillParts
     prompt_tokenizer: PromptTokenizer
     tokenizer: object
     eos_ids: frozenset
-    compute_lock: threading.Lock
-    chunk_tokens: int
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        return self.prefill.adapter
 
     def compute(self, kv: SequenceKV, token_ids: list[int], start: int) -> torch.Tensor:
-        with self.compute_lock:
-            return self.forward(kv, token_ids, start)
+        with self.prefill.compute_lock:
+            return self.prefill.forward(kv, token_ids, start)
 
 
 def check_window(parts: EngineParts, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -49,17 +48,20 @@ def check_window(parts: EngineParts, prompt_tokens: int, max_new_tokens: int) ->
         )
 
 
-def load_reused(parts: EngineParts, prompt: TokenizedPrompt, kv: SequenceKV) -> int:
-    """Copy the longest cached prefix (all but the last prompt token) into `kv`; return its length."""
-    match = parts.cache.match(prompt.token_ids, limit=len(prompt) - 1)
-    for chunk_kv, start, used in match.spans:
-        kv.load_chunk(chunk_kv[:, :, :, :used], start)
-    return match.tokens
+def store(parts: EngineParts, prompt: TokenizedPrompt, kv: SequenceKV, upto: int, exact_upto: int,
+          extra_tokens: list[int] = (), *, pin: bool = False) -> int:
+    """Insert the KV of the prompt (plus `extra_tokens` generated after it) into the cache."""
+    n = len(prompt)
+    chunk = parts.prefill.config.chunk_tokens
+    tokens = prompt.token_ids + list(extra_tokens)
+    ends = prompt.chunk_ends + list(range(n + chunk, upto, chunk)) + ([upto] if upto > n else [])
+    kinds = prompt.chunk_kinds + ["generated"] * (len(ends) - len(prompt.chunk_ends))
+    return parts.prefill.cache.insert(tokens, ends, upto, kv.export, pin=pin, exact_upto=exact_upto,
+                                      chunk_kinds=kinds)
 
 
-def store(parts: EngineParts, token_ids: list[int], chunk_ends: list[int], kv: SequenceKV, upto: int,
-          *, pin: bool = False) -> int:
-    return parts.cache.insert(token_ids, chunk_ends, upto, kv.export, pin=pin)
+def prefill_prompt(parts: EngineParts, prompt: TokenizedPrompt, kv: SequenceKV, new_tokens: int) -> Prefilled:
+    return prefill(parts.prefill, prompt, kv, len(prompt) + new_tokens)
 
 
 def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingParams,
@@ -67,17 +69,19 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
     started = time.perf_counter()
     n = len(prompt)
     kv = SequenceKV(parts.adapter.geometry, n + params.max_new_tokens, parts.adapter.device)
-    reused = load_reused(parts, prompt, kv)
-    gen = Generation(prompt_tokens=n, reused_tokens=reused, reused_exact=reused, recomputed=n - reused)
+    gen = Generation(prompt_tokens=n)
     sampler = Sampler(params, parts.adapter.device)
     text = TextAssembler(parts.tokenizer, params.stop)
-    valid = reused                                  # positions whose KV is computed and correct
+    valid, exact_upto = 0, 0                        # KV positions computed / equal to a full prefill
     try:
-        logits = parts.compute(kv, prompt.token_ids[reused:], reused)
-        valid = n
-        token = sampler(logits)
+        done = prefill_prompt(parts, prompt, kv, params.max_new_tokens)
+        valid, exact_upto = n, done.exact_upto
+        gen.reused_exact, gen.reused_moved = done.reused_exact, done.reused_moved
+        gen.reused_tokens = done.reused_exact + done.reused_moved
+        gen.recomputed = n - gen.reused_tokens
+        token = sampler(done.logits)
         gen.ttft_s = time.perf_counter() - started
-        store(parts, prompt.token_ids, prompt.chunk_ends, kv, n)
+        store(parts, prompt, kv, n, exact_upto)
         gen.finish_reason = "length"
         while True:
             gen.token_ids.append(token)
@@ -105,21 +109,12 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
         gen.finish_reason = "cancelled"
         raise
     finally:
-        _store_generated(parts, prompt, gen, kv, valid)
+        if valid > n:
+            store(parts, prompt, kv, valid, exact_upto, gen.token_ids[:valid - n])
     gen.text = text.final_text
     _remember_reply(parts, gen, text)
     gen.total_s = time.perf_counter() - started
     return gen
-
-
-def _store_generated(parts: EngineParts, prompt: TokenizedPrompt, gen: Generation, kv: SequenceKV,
-                     valid: int) -> None:
-    n = len(prompt)
-    if valid <= n:
-        return
-    tokens = prompt.token_ids + gen.token_ids[:valid - n]
-    ends = prompt.chunk_ends + list(range(n + parts.chunk_tokens, valid, parts.chunk_tokens)) + [valid]
-    store(parts, tokens, ends, kv, valid)
 
 
 def _remember_reply(parts: EngineParts, gen: Generation, text: TextAssembler) -> None:
