@@ -180,3 +180,45 @@ def test_completion_llm_continues_without_echo_and_reports_usage(lc_engine):
     assert info["usage_metadata"]["input_tokens"] == lc_engine.count_tokens(prompt)
     assert info["finish_reason"] in ("stop", "length") and info["model_name"] == "SmolLM2-135M-Instruct"
     assert llm.invoke(prompt, stop=[generation.text[2:6]]) == generation.text[:generation.text.index(generation.text[2:6])]
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_aware_templates_receive_tools_and_calls_natively(smol, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from kvboost_engine.loading import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    engine = Engine(smol[0], tokenizer, cache_bytes=0)
+    calls = []
+    original = Engine.stream_chat
+
+    def spy(self, messages, **params):
+        calls.append((messages, params.get("template_kwargs")))
+        return original(self, messages, **params)
+
+    monkeypatch.setattr(Engine, "stream_chat", spy)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    history = [HumanMessage("What is 1 + 2?"), AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2},
+                                                                          "id": "c1"}]),
+               ToolMessage("3", tool_call_id="c1")]
+    ChatKVBoost(engine=engine, max_tokens=2).bind_tools([add]).invoke(history)
+    messages, template_kwargs = calls[0]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]     # no tool prompt of ours
+    assert template_kwargs["tools"][0]["function"]["name"] == "add"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    rendered = tokenizer.decode(engine.encode_messages(messages, **template_kwargs).token_ids)
+    assert 'Tools: [{"type": "function"' in rendered and '<tool_call>{"name": "add"' in rendered
+    forced = ChatKVBoost(engine=engine, max_tokens=6).bind_tools([add], tool_choice="any").invoke("Add 4 and 5.")
+    assert forced.tool_calls[0]["name"] == "add" and set(forced.tool_calls[0]["args"]) == {"a", "b"}
