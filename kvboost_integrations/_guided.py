@@ -22,6 +22,7 @@ import torch
 
 from kvboost_engine import Generation, GenerationStream, InputError
 
+from ._jsonschema import finish_number, resolve, type_of
 from ._vocab import Vocabulary
 
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
@@ -91,7 +92,7 @@ class JsonGuide:
         elif "enum" in schema:
             yield from self.choose([json.dumps(v, ensure_ascii=False) for v in schema["enum"]])
         else:
-            kind = _type_of(schema)
+            kind = type_of(schema)
             if kind == "object":
                 yield from self.object(schema, depth)
             elif kind == "array":
@@ -127,7 +128,7 @@ class JsonGuide:
 
     def _another_item(self, count: int, items: dict) -> bool:
         """Let the model choose between closing the array and writing one more item."""
-        opener = {"string": '"', "object": "{", "array": "["}.get(_type_of(items))
+        opener = {"string": '"', "object": "{", "array": "["}.get(type_of(items))
         if count == 0 and opener is None:
             return True                 # scalars have no single opening character to weigh
         return pick_option(self, ["]", "," if count else opener]) != "]"
@@ -171,7 +172,7 @@ class JsonGuide:
                 break
             digits += self.vocab.texts[best[1]]
             self.pending = digits
-        yield from self.emit(_finish_number(digits, integer, schema))
+        yield from self.emit(finish_number(digits, integer, schema))
 
     def choose(self, options: list[str]) -> Generator[str, None, None]:
         """Write the option the model prefers, token by token among the options' spellings."""
@@ -179,18 +180,7 @@ class JsonGuide:
 
     # ---- schema -------------------------------------------------------------------------
     def resolve(self, schema: dict) -> dict:
-        for _ in range(32):
-            if "$ref" in schema:
-                schema = _follow_ref(self.root, schema["$ref"])
-            elif "anyOf" in schema or "oneOf" in schema:
-                options = schema.get("anyOf") or schema.get("oneOf")
-                real = [s for s in options if _type_of(s) != "null"]
-                schema = (real or options)[0]
-            elif "allOf" in schema and len(schema["allOf"]) == 1:
-                schema = schema["allOf"][0]
-            else:
-                return schema
-        raise InputError("schema $ref chain is too long or circular")
+        return resolve(self.root, schema)
 
     def generation(self, reason: str, tail: str = "") -> Generation:
         text = self.text + tail
@@ -237,40 +227,6 @@ def _best_number_token(vocab: Vocabulary, logits: torch.Tensor, digits: str, pre
     return None
 
 
-def _finish_number(digits: str, integer: bool, schema: dict) -> str:
-    digits = digits.rstrip(".")
-    if digits in ("", "-"):
-        digits = "0"
-    value = int(digits) if integer else float(digits)
-    low = schema.get("minimum", schema.get("exclusiveMinimum"))
-    high = schema.get("maximum", schema.get("exclusiveMaximum"))
-    step = 1 if integer else 1e-6
-    if low is not None and value < low + (step if "exclusiveMinimum" in schema else 0):
-        value = low + (step if "exclusiveMinimum" in schema else 0)
-    if high is not None and value > high - (step if "exclusiveMaximum" in schema else 0):
-        value = high - (step if "exclusiveMaximum" in schema else 0)
-    return json.dumps(int(value) if integer else value)
-
-
-def _type_of(schema: dict) -> str | None:
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        real = [k for k in kind if k != "null"]
-        kind = real[0] if real else "null"
-    if kind is None and "properties" in schema:
-        return "object"
-    return kind
-
-
-def _follow_ref(root: dict, ref: str) -> dict:
-    if not ref.startswith("#/"):
-        raise InputError(f"only local schema references (#/...) are supported, got {ref!r}")
-    node = root
-    for part in ref[2:].split("/"):
-        node = node[part]
-    return node
-
-
 def _run(guide: JsonGuide, body, tail: str) -> Generator[str, None, Generation]:
     try:
         yield from body
@@ -290,7 +246,7 @@ def json_stream(engine, vocab: Vocabulary, messages: list[dict], schema: dict, *
     """
     cancel = threading.Event()
     guide = JsonGuide(engine, vocab, messages, params, cancel, schema, template_kwargs)
-    if _type_of(guide.resolve(schema)) not in ("object", "array"):
+    if type_of(guide.resolve(schema)) not in ("object", "array"):
         raise InputError("structured output needs a JSON schema whose top level is an object or an array")
     return GenerationStream(_run(guide, guide.value(schema), ""), cancel)
 
