@@ -30,7 +30,7 @@ async def test_four_concurrent_requests_get_their_own_answers(lc_engine):
         return "".join([chunk.content async for chunk in chat.astream(prompt)])
 
     assert await asyncio.gather(*(collect(p) for p in PROMPTS)) == expected
-    completions = KVBoostLLM(engine=lc_engine, max_tokens=6)
+    completions = KVBoostLLM(engine=lc_engine, max_tokens=4)
     batch = await completions.abatch(PROMPTS)
     assert batch == [completions.invoke(p) for p in PROMPTS]
 

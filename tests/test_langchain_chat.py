@@ -145,6 +145,19 @@ def test_structured_output_is_valid_for_a_rich_schema(lc_engine):
     assert json.loads(raw["raw"].content) == raw["parsed"]
 
 
+def test_structured_output_through_a_forced_tool_call(lc_engine):
+    class Answer(BaseModel):
+        """An answer with a confidence."""
+        answer: str
+        confident: bool
+
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=8)
+    result = llm.with_structured_output(Answer, method="function_calling").invoke("Is the sky blue?")
+    assert isinstance(result, Answer)
+    with pytest.raises(ValueError, match="method"):
+        llm.with_structured_output(Answer, method="xml")
+
+
 def test_structured_output_stays_valid_when_the_token_budget_runs_out(lc_engine):
     llm = ChatKVBoost(engine=lc_engine, max_tokens=3)
     raw = llm.with_structured_output(Pet, include_raw=True).invoke("Describe a pet.")
@@ -196,7 +209,7 @@ def test_tool_aware_templates_receive_tools_and_calls_natively(smol, monkeypatch
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     tokenizer.chat_template = TOOL_TEMPLATE
-    engine = Engine(smol[0], tokenizer, cache_bytes=0)
+    engine = Engine(smol[0], tokenizer, cache_bytes=64 * 2**20)
     calls = []
     original = Engine.stream_chat
 
