@@ -98,12 +98,16 @@ class Engine:
             c["generated_tokens"] += gen.completion_tokens
         return gen
 
-    def next_token_logits(self, prompt=None, *, messages=None) -> torch.Tensor:
+    def next_token_logits(self, prompt=None, *, messages=None, template_kwargs: dict | None = None) -> torch.Tensor:
         """Logits [vocab] (fp32) for the token after a prompt or messages, through the same
-        reuse path as generation (the prompt's KV is looked up and stored as usual)."""
+        reuse path as generation (the prompt's KV is looked up and stored as usual).
+        `template_kwargs` go to the chat template as in `stream_chat` (e.g. continue_final_message)."""
         if (prompt is None) == (messages is None):
             raise InputError("pass exactly one of prompt or messages")
-        tokenized = self.encode_prompt(prompt) if messages is None else self.encode_messages(messages)
+        if messages is None:
+            tokenized = self.encode_prompt(prompt)
+        else:
+            tokenized = self.encode_messages(messages, **(template_kwargs or {}))
         check_window(self._parts, len(tokenized), 1)
         kv = SequenceKV(self.adapter.geometry, len(tokenized), self.adapter.device)
         done = prefill_prompt(self._parts, tokenized, kv, 1)

@@ -5,12 +5,14 @@
 - `aiter_stream`: run a GenerationStream off the event loop; cancelling the consumer stops decoding.
 - `engine_options`: the engine options a caller set, so equal settings share one engine.
 - `document_reuse`: document tokens of a prompt and how many of them were reused.
+- `iter_stream` / `aiter_stream_timeout`: the same with a timeout, for adapters that take one.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from kvboost_engine import Engine, Generation, GenerationStream, shared_engine
 from kvboost_engine.tokens import TokenizedPrompt
@@ -98,3 +100,43 @@ def document_reuse(prompt: TokenizedPrompt, gen: Generation) -> dict:
         start = end
     reused = min(document_tokens, in_exact_prefix + gen.reused_moved)
     return {"document_tokens": document_tokens, "document_tokens_reused": reused}
+
+def iter_stream(start: Callable[[], GenerationStream], timeout: float | None = None) -> Iterator[str | Generation]:
+    """Yield text deltas of a stream, then the final Generation (the sync twin of `aiter_stream`).
+
+    `timeout` (seconds, checked between tokens) cancels the stream and raises TimeoutError.
+    Closing this iterator early (a consumer that stops reading) cancels the stream too.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stream = start()
+    try:
+        for delta in stream:
+            yield delta
+            _check_deadline(deadline, timeout)
+        yield stream.generation
+    finally:
+        stream.close()
+
+
+async def aiter_stream_timeout(start: Callable[[], GenerationStream],
+                               timeout: float | None = None) -> AsyncIterator[str | Generation]:
+    """`aiter_stream` with an overall `timeout` (seconds): past it, decoding stops and TimeoutError is raised."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    items = aiter_stream(start)
+    try:
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = await asyncio.wait_for(items.__anext__(), remaining)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"generation took longer than the timeout of {timeout} s") from None
+            yield item
+    finally:
+        await items.aclose()
+
+
+def _check_deadline(deadline: float | None, timeout: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"generation took longer than the timeout of {timeout} s")

@@ -1,0 +1,113 @@
+"""Settings both LangChain classes share: which engine, and how to sample."""
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.messages.ai import UsageMetadata
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from kvboost_engine import Engine, Generation
+from kvboost_engine.loading import DEFAULT_MODEL_NAME
+
+from .._bridge import generation_metadata, resolve_engine
+from .._vocab import Vocabulary
+
+_CALL_PARAMS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+
+
+class KVBoostSettings(BaseModel):
+    """Engine selection and standard generation parameters.
+
+    Models with the same `model` and engine options share one engine (and one KV cache);
+    it is loaded on first use, not at construction.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: str | None = None
+    """Path to an HF model directory or .gguf file, a hub id, or None for the default model
+    (SmolLM2-135M-Instruct, shipped offline)."""
+    engine: Engine | None = Field(default=None, exclude=True)
+    """An existing engine to use instead of `model` (its cache is shared with other users)."""
+    device: str | None = None
+    dtype: str | None = None
+    cache_bytes: int | None = None
+    """Byte budget of the reusable KV cache; 0 turns reuse off. None: the engine default."""
+    chunk_tokens: int | None = None
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    max_tokens: int = 256
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | None = None
+    """Stop strings of any length; the stop string is not returned."""
+    timeout: float | None = None
+    """Seconds a request may take (checked between tokens); past it, decoding stops and TimeoutError is raised."""
+    max_retries: int = 0
+    """Accepted for drop-in compatibility; a local engine has no transient failures to retry."""
+    streaming: bool = False
+    """Accepted for compatibility; `stream()`/`astream()` always stream."""
+
+    _engine: Engine | None = PrivateAttr(default=None)
+    _vocabulary: Vocabulary | None = PrivateAttr(default=None)
+
+    def get_engine(self) -> Engine:
+        """The engine, loaded (or looked up among shared engines) on first use."""
+        if self._engine is None:
+            options = {k: getattr(self, k) for k in ("device", "dtype", "cache_bytes", "chunk_tokens")
+                       if getattr(self, k) is not None}
+            self._engine = resolve_engine(self.engine, self.model, options)
+        return self._engine
+
+    def vocabulary(self) -> Vocabulary:
+        """Token texts for constrained decoding (built once per instance, on first use)."""
+        if self._vocabulary is None:
+            engine = self.get_engine()
+            self._vocabulary = Vocabulary.for_engine(engine)
+        return self._vocabulary
+
+    @property
+    def model_name(self) -> str:
+        engine = self.engine or self._engine
+        if engine is not None:
+            return engine.model_name
+        return self.model or DEFAULT_MODEL_NAME
+
+    def sampling_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Engine sampling parameters: per-call kwargs over the instance's settings."""
+        unknown = sorted(k for k in kwargs if k not in _CALL_PARAMS and not k.startswith("ls_"))
+        if unknown:
+            raise ValueError(f"unsupported call parameters {unknown}; accepted: {', '.join(_CALL_PARAMS)}"
+                             " (to use another model, create another instance)")
+        return {"max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
+                "temperature": kwargs.get("temperature", self.temperature),
+                "top_p": kwargs.get("top_p", self.top_p), "top_k": kwargs.get("top_k", self.top_k),
+                "seed": kwargs.get("seed", self.seed), "stop": stop if stop is not None else self.stop}
+
+    def ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
+        params = {"ls_provider": "kvboost", "ls_model_type": model_type,
+                  "ls_model_name": kwargs.get("model") if isinstance(kwargs.get("model"), str) else self.model_name,
+                  "ls_temperature": kwargs.get("temperature", self.temperature),
+                  "ls_max_tokens": kwargs.get("max_tokens", self.max_tokens)}
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = list(stop)
+        return params
+
+
+def usage_metadata(gen: Generation) -> UsageMetadata:
+    """Token usage; `input_token_details.cache_read` is the prompt tokens whose KV was reused."""
+    usage = gen.usage()
+    return UsageMetadata(input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"],
+                         total_tokens=usage["total_tokens"],
+                         input_token_details={"cache_read": gen.reused_tokens})
+
+
+def response_metadata(gen: Generation, model_name: str, finish_reason: str | None = None) -> dict[str, Any]:
+    """model_name, finish_reason and our telemetry (reused tokens by kind, TTFT, ...)."""
+    meta = generation_metadata(gen, model_name)
+    meta["model_provider"] = "kvboost"
+    if finish_reason:
+        meta["finish_reason"] = finish_reason
+    return meta

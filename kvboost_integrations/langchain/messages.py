@@ -1,0 +1,98 @@
+"""LangChain messages -> the engine's OpenAI-style message dicts, one segment per block.
+
+The system message, every human/AI/tool message and every content block of a message become
+separate engine segments (cache chunk boundaries). Text blocks marked as documents (see
+`document_block`) become engine "document" parts: reusable wherever they appear.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from langchain_core.messages import (AIMessage, BaseMessage, ChatMessage, FunctionMessage, HumanMessage,
+                                     SystemMessage, ToolMessage)
+
+DOCUMENT_FLAG = "kvboost_document"
+_ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant",
+          "system": "system", "developer": "system", "tool": "tool", "function": "tool"}
+_SKIPPED_BLOCKS = {"tool_use", "tool_call", "thinking", "reasoning", "redacted_thinking"}
+
+
+def document_block(text: str) -> dict:
+    """A text content block that ChatKVBoost treats as a retrieved document (reusable anywhere).
+
+    It is an ordinary LangChain text block with a marker under `extras`; other chat models
+    read it as plain text.
+    """
+    return {"type": "text", "text": text, "extras": {DOCUMENT_FLAG: True}}
+
+
+def is_document_block(block) -> bool:
+    return isinstance(block, dict) and bool((block.get("extras") or {}).get(DOCUMENT_FLAG))
+
+
+def to_engine_messages(messages: Sequence[BaseMessage], *, native_tools: bool) -> list[dict]:
+    """Convert messages; with `native_tools`, tool calls and tool results keep their structured
+    fields for a tool-aware chat template, otherwise tool calls are written out as text."""
+    return [_convert(message, native_tools) for message in messages]
+
+
+def _convert(message: BaseMessage, native_tools: bool) -> dict:
+    role = _role(message)
+    out: dict = {"role": role, "content": _content(message.content)}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        if native_tools:
+            out["tool_calls"] = [_native_call(call) for call in message.tool_calls]
+        else:
+            out["content"] = _append_text(out["content"], tool_calls_as_text(message.tool_calls))
+    if isinstance(message, ToolMessage) and native_tools:
+        out["tool_call_id"] = message.tool_call_id
+        if message.name:
+            out["name"] = message.name
+    return out
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        role = message.role
+    elif isinstance(message, (SystemMessage, HumanMessage, AIMessage, ToolMessage, FunctionMessage)):
+        role = message.type
+    else:
+        role = getattr(message, "type", None)
+    if role not in _ROLES:
+        raise ValueError(f"ChatKVBoost cannot send a message of role {role!r}; use system, human, ai or tool")
+    return _ROLES[role]
+
+
+def _content(content) -> str | list[dict]:
+    """A string stays a string; a list becomes one engine part per text block."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append({"type": "text", "text": block})
+        elif block.get("type") == "text":
+            kind = "document" if is_document_block(block) else "text"
+            parts.append({"type": kind, "text": block.get("text") or ""})
+        elif block.get("type") not in _SKIPPED_BLOCKS:
+            raise ValueError(f"ChatKVBoost reads text only; got a content block of type {block.get('type')!r}")
+    return parts if parts else ""
+
+
+def _append_text(content: str | list[dict], text: str) -> str | list[dict]:
+    if isinstance(content, str):
+        return f"{content}\n{text}" if content else text
+    return [*content, {"type": "text", "text": text}]
+
+
+def tool_calls_as_text(tool_calls) -> str:
+    """Tool calls as the model is asked to write them: one <tool_call> block each."""
+    return "\n".join(
+        "<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["args"]}, ensure_ascii=False)
+        + "\n</tool_call>" for c in tool_calls)
+
+
+def _native_call(call) -> dict:
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": call["name"], "arguments": call["args"]}}

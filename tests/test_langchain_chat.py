@@ -1,0 +1,237 @@
+"""ChatKVBoost / KVBoostLLM behaviour: the complaints about other HF wrappers, one test each."""
+import json
+from typing import Literal
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+
+from kvboost_engine import Engine, Generation  # noqa: E402
+from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM, document_block  # noqa: E402
+from kvboost_integrations.langchain.chat_models import _Reply  # noqa: E402
+from kvboost_integrations.langchain.messages import to_engine_messages  # noqa: E402
+from kvboost_integrations.langchain.tools import ToolCallSplitter, parse_tool_calls  # noqa: E402
+
+QUESTION = "Name three colours of the rainbow."
+
+
+@pytest.fixture(scope="module")
+def lc_engine(smol):
+    model, tokenizer = smol
+    return Engine(model, tokenizer, cache_bytes=256 * 2**20, model_name="SmolLM2-135M-Instruct")
+
+
+@pytest.fixture
+def chat(lc_engine):
+    return ChatKVBoost(engine=lc_engine, max_tokens=12)
+
+
+def test_invoke_returns_reply_only_with_usage_and_reuse_telemetry(chat, lc_engine):
+    first = chat.invoke(QUESTION)
+    second = chat.invoke(QUESTION)
+    assert first.content == second.content and QUESTION not in first.content
+    prompt_tokens = lc_engine.count_tokens([{"role": "user", "content": QUESTION}])
+    usage = second.usage_metadata
+    assert usage["input_tokens"] == prompt_tokens
+    assert usage["total_tokens"] == prompt_tokens + usage["output_tokens"]
+    meta = second.response_metadata
+    assert meta["model_name"] == "SmolLM2-135M-Instruct"
+    assert meta["finish_reason"] in ("stop", "length")
+    assert meta["reused_tokens"] == meta["reused_exact"] == prompt_tokens - 1   # all but the last token
+    assert usage["input_token_details"]["cache_read"] == meta["reused_tokens"]
+    assert meta["ttft_s"] > 0
+
+
+def test_stream_matches_invoke_and_reports_usage_once(chat):
+    chunks = list(chat.stream(QUESTION))
+    assert "".join(c.content for c in chunks) == chat.invoke(QUESTION).content
+    assert len(chunks) > 2                                     # really streamed, token by token
+    assert [c.usage_metadata is not None for c in chunks].count(True) == 1
+    assert chunks[-1].chunk_position == "last" and chunks[-1].response_metadata["model_name"]
+
+
+@pytest.mark.parametrize("where", ["call", "instance"])
+def test_stop_strings_of_any_length_cut_the_reply(lc_engine, where):
+    full = ChatKVBoost(engine=lc_engine, max_tokens=16).invoke(QUESTION).content
+    stop = full[4:17]                                          # a multi-token stop string mid-reply
+    assert len(stop) > 8
+    if where == "call":
+        cut = ChatKVBoost(engine=lc_engine, max_tokens=16).invoke(QUESTION, stop=[stop])
+    else:
+        cut = ChatKVBoost(engine=lc_engine, max_tokens=16, stop=["never there", stop]).invoke(QUESTION)
+    assert cut.content == full[:full.index(stop)]
+    assert cut.response_metadata["finish_reason"] == "stop"
+
+
+def test_engine_is_lazy_and_shared_between_models_with_same_settings(monkeypatch):
+    loads = []
+
+    def fake_load(model=None, **options):
+        loads.append((model, options))
+        return object()
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(fake_load))
+    a = ChatKVBoost(model="lazy-share-test/model", cache_bytes=12345)
+    b = KVBoostLLM(model="lazy-share-test/model", cache_bytes=12345)
+    c = ChatKVBoost(model="lazy-share-test/model", cache_bytes=999)
+    assert loads == []                                         # nothing loads at construction
+    assert a.get_engine() is b.get_engine() is a.get_engine()
+    assert c.get_engine() is not a.get_engine()
+    assert loads == [("lazy-share-test/model", {"cache_bytes": 12345}), ("lazy-share-test/model", {"cache_bytes": 999})]
+
+
+def test_bad_input_is_rejected_clearly(chat):
+    with pytest.raises(ValueError, match="unsupported call parameters"):
+        chat.invoke("hi", frequency_penalty=1.0)
+    with pytest.raises(ValueError, match="text only"):
+        chat.invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
+
+
+def test_timeout_stops_generation(lc_engine):
+    slow = ChatKVBoost(engine=lc_engine, max_tokens=200, timeout=0.05)
+    before = lc_engine.stats()["generated_tokens"]
+    with pytest.raises(TimeoutError):
+        slow.invoke("Write a long story about a dragon.")
+    assert lc_engine.stats()["generated_tokens"] - before < 20
+
+
+def test_messages_become_one_part_per_block_and_documents_are_marked():
+    messages = [SystemMessage("Be brief."),
+                HumanMessage([document_block("Doc one."), document_block("Doc two."), {"type": "text", "text": "Q?"}]),
+                AIMessage("", tool_calls=[{"name": "f", "args": {"a": 1}, "id": "c1"}]),
+                ToolMessage("2", tool_call_id="c1", name="f")]
+    as_text = to_engine_messages(messages, native_tools=False)
+    assert as_text[1]["content"] == [{"type": "document", "text": "Doc one."},
+                                     {"type": "document", "text": "Doc two."}, {"type": "text", "text": "Q?"}]
+    assert as_text[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert as_text[3] == {"role": "tool", "content": "2"}
+    native = to_engine_messages(messages, native_tools=True)
+    assert native[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    assert native[3]["tool_call_id"] == "c1"
+
+
+def test_streamed_tool_calls_are_held_back_and_parsed():
+    reply = _Reply("m", tools_active=True)
+    deltas = ["Sure. <tool", '_call>\n{"name": "f", "arguments"', ': {"a": 1}}\n</tool_call>']
+    chunks = [reply.chunk(d) for d in deltas] + [reply.chunk(Generation(finish_reason="stop"))]
+    total = None
+    for chunk in filter(None, chunks):
+        total = chunk.message if total is None else total + chunk.message
+    assert total.content.strip() == "Sure."
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == [("f", {"a": 1})]
+    assert total.response_metadata["finish_reason"] == "tool_calls"
+    assert parse_tool_calls("<tool_call>{bad json</tool_call>")[1][0]["name"] is None
+    plain = ToolCallSplitter(active=False)
+    assert plain.feed("a <tool_call>") == "a <tool_call>"
+
+
+class Pet(BaseModel):
+    name: str = Field(description="the pet's name")
+    kind: Literal["cat", "dog", "bird"]
+    age: int = Field(ge=0, le=30)
+    vaccinated: bool
+    toys: list[str]
+
+
+def test_structured_output_is_valid_for_a_rich_schema(lc_engine):
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=24)
+    pet = llm.with_structured_output(Pet).invoke("Describe a pet cat called Tom, aged 3, who loves balls.")
+    assert isinstance(pet, Pet) and 0 <= pet.age <= 30
+    raw = llm.with_structured_output(Pet.model_json_schema(), include_raw=True).invoke("Describe a dog.")
+    assert raw["parsing_error"] is None and set(raw["parsed"]) == set(Pet.model_fields)
+    assert json.loads(raw["raw"].content) == raw["parsed"]
+
+
+def test_structured_output_through_a_forced_tool_call(lc_engine):
+    class Answer(BaseModel):
+        """An answer with a confidence."""
+        answer: str
+        confident: bool
+
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=8)
+    result = llm.with_structured_output(Answer, method="function_calling").invoke("Is the sky blue?")
+    assert isinstance(result, Answer)
+    with pytest.raises(ValueError, match="method"):
+        llm.with_structured_output(Answer, method="xml")
+
+
+def test_structured_output_stays_valid_when_the_token_budget_runs_out(lc_engine):
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=3)
+    raw = llm.with_structured_output(Pet, include_raw=True).invoke("Describe a pet.")
+    assert isinstance(raw["parsed"], Pet)
+    assert raw["raw"].response_metadata["finish_reason"] == "length"
+
+
+def test_forced_tool_call_picks_among_tools_and_fills_arguments(lc_engine):
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        return "sunny"
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=16).bind_tools([get_weather, add], tool_choice="add")
+    message = llm.invoke("What is 2 plus 5?")
+    assert message.content == "" and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call["name"] == "add" and set(call["args"]) == {"a", "b"}
+    assert all(isinstance(v, int) for v in call["args"].values())
+
+
+def test_completion_llm_continues_without_echo_and_reports_usage(lc_engine):
+    llm = KVBoostLLM(engine=lc_engine, max_tokens=8)
+    prompt = "The capital city of France is"
+    result = llm.generate([prompt])
+    generation = result.generations[0][0]
+    assert not generation.text.startswith(prompt)
+    assert generation.text == "".join(llm.stream(prompt))
+    info = generation.generation_info
+    assert info["usage_metadata"]["input_tokens"] == lc_engine.count_tokens(prompt)
+    assert info["finish_reason"] in ("stop", "length") and info["model_name"] == "SmolLM2-135M-Instruct"
+    assert llm.invoke(prompt, stop=[generation.text[2:6]]) == generation.text[:generation.text.index(generation.text[2:6])]
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_aware_templates_receive_tools_and_calls_natively(smol, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from kvboost_engine.loading import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    engine = Engine(smol[0], tokenizer, cache_bytes=64 * 2**20)
+    calls = []
+    original = Engine.stream_chat
+
+    def spy(self, messages, **params):
+        calls.append((messages, params.get("template_kwargs")))
+        return original(self, messages, **params)
+
+    monkeypatch.setattr(Engine, "stream_chat", spy)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    history = [HumanMessage("What is 1 + 2?"), AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2},
+                                                                          "id": "c1"}]),
+               ToolMessage("3", tool_call_id="c1")]
+    ChatKVBoost(engine=engine, max_tokens=2).bind_tools([add]).invoke(history)
+    messages, template_kwargs = calls[0]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]     # no tool prompt of ours
+    assert template_kwargs["tools"][0]["function"]["name"] == "add"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    rendered = tokenizer.decode(engine.encode_messages(messages, **template_kwargs).token_ids)
+    assert 'Tools: [{"type": "function"' in rendered and '<tool_call>{"name": "add"' in rendered
+    forced = ChatKVBoost(engine=engine, max_tokens=6).bind_tools([add], tool_choice="any").invoke("Add 4 and 5.")
+    assert forced.tool_calls[0]["name"] == "add" and set(forced.tool_calls[0]["args"]) == {"a", "b"}
