@@ -101,6 +101,7 @@ def document_reuse(prompt: TokenizedPrompt, gen: Generation) -> dict:
     reused = min(document_tokens, in_exact_prefix + gen.reused_moved)
     return {"document_tokens": document_tokens, "document_tokens_reused": reused}
 
+
 def iter_stream(start: Callable[[], GenerationStream], timeout: float | None = None) -> Iterator[str | Generation]:
     """Yield text deltas of a stream, then the final Generation (the sync twin of `aiter_stream`).
 
