@@ -11,7 +11,10 @@ class Generation:
     """Result of one request.
 
     prompt_tokens: tokens in the prompt. reused_tokens: prompt tokens whose KV came from the
-    cache (= reused_exact + reused_moved). recomputed: prompt tokens computed this call.
+    cache = reused_exact (exact-prefix hits: identical to no cache) + reused_moved (moved hits,
+    re-rotated and repaired: an approximation). recomputed: moved tokens that the repair
+    recomputed through every layer anyway. computed_tokens: prompt tokens run through every
+    layer this call (new ones plus recomputed).
     ttft_s: from the call until the first generated token exists. token_ids: generated ids
     (an EOS that ended generation included; it is not part of `text`).
     finish_reason: "stop" (EOS or stop string), "length" (max_new_tokens) or "cancelled".
@@ -32,6 +35,10 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens + self.recomputed
+
     def usage(self) -> dict:
         return {"input_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
@@ -41,6 +48,7 @@ class Generation:
         data.pop("text")
         data.pop("token_ids")
         data["completion_tokens"] = self.completion_tokens
+        data["computed_tokens"] = self.computed_tokens
         return data
 
 

@@ -33,8 +33,9 @@ class Prefilled:
     """Logits after the prompt and what the prompt's KV is made of."""
 
     logits: torch.Tensor
-    reused_exact: int
-    reused_moved: int
+    reused_exact: int       # from exact-prefix hits on exact KV
+    reused_moved: int       # from moved hits (or prefix hits on repaired KV)
+    recomputed: int         # moved tokens the repair then recomputed through every layer
     exact_upto: int         # KV before this position equals a full prefill's
 
 
@@ -58,14 +59,14 @@ def prefill(parts: PrefillParts, prompt: TokenizedPrompt, kv: SequenceKV, max_po
         _load(parts, kv, span)
     reused_exact = sum(s.length for s in prefix if s.exact)
     exact_upto = next((s.start for s in prefix if not s.exact), moved[0].start if moved else n)
-    reused_moved = prefix_len - reused_exact
+    reused_moved = prefix_len - reused_exact + sum(s.length for s in moved)
+    recomputed = 0
     with parts.compute_lock:
         if not moved:
             logits = parts.forward(kv, prompt.token_ids[prefix_len:], prefix_len)
         else:
-            logits, kept_moved = _repair(parts, prompt, kv, prefix_len, moved)
-            reused_moved += kept_moved
-    return Prefilled(logits, reused_exact, reused_moved, exact_upto)
+            logits, recomputed = _repair(parts, prompt, kv, prefix_len, moved)
+    return Prefilled(logits, reused_exact, reused_moved, recomputed, exact_upto)
 
 
 def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, max_position: int) -> list[KVSpan]:
@@ -87,19 +88,18 @@ def _load(parts: PrefillParts, kv: SequenceKV, span: KVSpan) -> None:
 
 def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv: SequenceKV, prefix_len: int,
             moved: list[KVSpan]) -> tuple[torch.Tensor, int]:
-    """Compute new tokens (and, for blend, selected moved tokens). Returns (logits, moved tokens kept)."""
+    """Compute new tokens (and, for blend, selected moved tokens). Returns (logits, moved tokens recomputed)."""
     n = len(prompt)
     is_moved = torch.zeros(n, dtype=torch.bool)
     is_head = torch.zeros(n, dtype=torch.bool)
     for span in moved:
         is_moved[span.start:span.start + span.length] = True
         is_head[span.start:span.start + parts.config.recompute_head_tokens] = True
-    total_moved = int(is_moved.sum())
     positions = torch.arange(prefix_len, n)
     if parts.config.moved_reuse == "none":
         positions = positions[~is_moved[prefix_len:]]
-        return parts.forward.scattered(kv, prompt.token_ids, positions, n), total_moved
+        return parts.forward.scattered(kv, prompt.token_ids, positions, n), 0
     layer = min(parts.config.check_layer, len(parts.adapter.layers) - 1)
     selector = Selector(is_moved[positions], is_head[positions], parts.config.recompute_ratio, layer)
     logits = parts.forward.scattered(kv, prompt.token_ids, positions, n, selector)
-    return logits, total_moved - selector.recomputed_moved
+    return logits, selector.recomputed_moved

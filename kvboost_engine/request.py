@@ -78,7 +78,7 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
         valid, exact_upto = n, done.exact_upto
         gen.reused_exact, gen.reused_moved = done.reused_exact, done.reused_moved
         gen.reused_tokens = done.reused_exact + done.reused_moved
-        gen.recomputed = n - gen.reused_tokens
+        gen.recomputed = done.recomputed
         token = sampler(done.logits)
         gen.ttft_s = time.perf_counter() - started
         store(parts, prompt, kv, n, exact_upto)

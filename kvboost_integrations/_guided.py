@@ -190,7 +190,7 @@ class JsonGuide:
         reused = min(first.reused_tokens, prompt_tokens)
         return Generation(text=text, token_ids=list(ids), finish_reason=reason, prompt_tokens=prompt_tokens,
                           reused_tokens=reused, reused_exact=min(first.reused_exact, reused),
-                          reused_moved=min(first.reused_moved, reused), recomputed=prompt_tokens - reused,
+                          reused_moved=min(first.reused_moved, reused), recomputed=min(first.recomputed, reused),
                           ttft_s=self.first_token_s or 0.0, total_s=time.perf_counter() - self.started)
 
 
