@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--no-clip", action="store_true", help="skip AutoAWQ's clip search (slow on CPU)")
     args = parser.parse_args()
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
@@ -71,7 +72,8 @@ def main() -> None:
         quant_config = {"zero_point": True, "q_group_size": args.group_size, "w_bit": 4, "version": "GEMM"}
         started = time.perf_counter()
         model.quantize(tokenizer, quant_config=quant_config, calib_data=texts,
-                       max_calib_samples=args.samples, max_calib_seq_len=256, n_parallel_calib_samples=8)
+                       max_calib_samples=args.samples, max_calib_seq_len=256, n_parallel_calib_samples=8,
+                       apply_clip=not args.no_clip)
         print(f"quantized in {time.perf_counter() - started:.0f} s")
         model.save_quantized(str(args.out))
     for name in TOKENIZER_FILES:   # our (transformers 5) tokenizer files, so kvboost reads them as usual

@@ -26,7 +26,9 @@ from .tiers import fill
 
 @dataclass(slots=True)
 class StreamStats:
-    """Counters since load (or the last reset): loads, bytes, prefetch hits, time spent waiting."""
+    """Counters since load (or the last reset) over layers brought in and used: loads, bytes,
+    prefetch hits (the load had finished when the layer was needed), time spent waiting.
+    Loads dropped by a resynchronisation are counted in `discarded`."""
 
     loads: int = 0
     bytes: int = 0
@@ -35,6 +37,7 @@ class StreamStats:
     wait_s: float = 0.0
     passes: int = 0
     resyncs: int = 0
+    discarded: int = 0
 
     def as_dict(self) -> dict:
         used = self.hits + self.waits
@@ -42,7 +45,7 @@ class StreamStats:
                 "prefetch_hit_rate": self.hits / used if used else None, "stream_wait_s": self.wait_s,
                 "stream_passes": self.passes,
                 "stream_bytes_per_pass": self.bytes / self.passes if self.passes else None,
-                "stream_resyncs": self.resyncs}
+                "stream_resyncs": self.resyncs, "stream_discarded_loads": self.discarded}
 
 
 class _Slot:
@@ -137,13 +140,12 @@ class LayerStreamer:
                 return
             slot_id = self._free.popleft()
             self._inflight[index] = (slot_id, self._worker.submit(self._load, index, slot_id))
-            self.stats.loads += 1
-            self.stats.bytes += self.bindings[index].nbytes
             self._next = (self._next + 1) % len(self.order)
 
     def _resync(self, index: int) -> None:
         """A layer ran out of the expected order: drop pending loads and restart from `index`."""
         self.stats.resyncs += 1
+        self.stats.discarded += len(self._inflight)
         for slot_id, future in self._inflight.values():
             future.result()
             self._free.append(slot_id)
@@ -166,6 +168,8 @@ class LayerStreamer:
 
     def _count_use(self, index: int, hit: bool, waited: float) -> None:
         s = self.stats
+        s.loads += 1
+        s.bytes += self.bindings[index].nbytes
         s.hits += hit
         s.waits += not hit
         s.wait_s += waited
