@@ -180,7 +180,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .arch import check_supported
-    from .awq import awq_config_of, load_awq_model
+    from .awq.format import awq_config_of
+    from .awq.loader import load_awq_model
 
     local = isinstance(source, Path)
     try:

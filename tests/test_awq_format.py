@@ -80,3 +80,9 @@ def test_cpu_int4pack_layout_matches_dequant():
     got = fast.matmul(x, fast.prepare(qweight, qzeros, scales, 64), 64)
     want = plain.matmul(x.bfloat16().float(), plain.prepare(qweight, qzeros, scales, 64), 64)
     assert torch.allclose(got, want, rtol=0.02, atol=0.05)
+
+
+def test_fake_quantize_equals_packed_round_trip():
+    weight = torch.randn(24, 128, generator=torch.Generator().manual_seed(3))
+    from kvboost_engine.awq.format import fake_quantize
+    assert torch.equal(fake_quantize(weight, 64), dequantize(*quantize_groups(weight, 64), 64).T)

@@ -118,8 +118,22 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     """Asymmetric 4-bit round-to-nearest of an nn.Linear weight [N, K] per group of K.
 
     Returns AWQ tensors (qweight int32 [K, N/8], qzeros int32 [K/g, N/8], scales fp16 [K/g, N]).
-    Scales are rounded to fp16 before the weights are, so dequantization reproduces them exactly.
     """
+    q, zeros, scales = _round_groups(weight, group_size)
+    n_out, n_in = weight.shape
+    qweight = pack_int4(q.reshape(n_out, n_in).T.contiguous())
+    return qweight, pack_int4(zeros.T.contiguous()), scales.T.contiguous().half()
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """weight [N, K] after the 4-bit round trip of `quantize_groups` (no packing)."""
+    q, zeros, scales = _round_groups(weight, group_size)
+    return ((q - zeros[..., None]) * scales[..., None]).reshape(weight.shape)
+
+
+def _round_groups(weight: torch.Tensor, group_size: int):
+    """q [N, K/g, g], zeros and scales [N, K/g]; scales rounded to fp16 first, so the
+    checkpoint's fp16 scales reproduce the rounding exactly."""
     n_out, n_in = weight.shape
     if n_in % group_size:
         raise ValueError(f"in_features {n_in} is not a multiple of group size {group_size}")
@@ -129,6 +143,4 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()             # [N, K/g]
     zeros = (-w_min / scales).round().clamp(0, 15)
     q = (w / scales[..., None]).round().add(zeros[..., None]).clamp(0, 15)       # [N, K/g, g]
-    qweight = pack_int4(q.reshape(n_out, n_in).T.contiguous())
-    qzeros = pack_int4(zeros.T.contiguous())
-    return qweight, qzeros, scales.T.contiguous().half()
+    return q, zeros, scales

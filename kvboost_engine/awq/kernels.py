@@ -83,7 +83,9 @@ class CpuInt4PackLayout:
 
 
 class AwqExtLayout:
-    """AutoAWQ's CUDA GEMM kernels (package `autoawq-kernels`); AWQ tensors as stored."""
+    """AutoAWQ's CUDA GEMM kernels (package `autoawq-kernels`, extra `[awq-cuda]`); AWQ tensors as
+    stored, fp16 activations. Same dispatch as AutoAWQ: GEMM kernel for small batches, dequantize
+    and a dense matmul from 1024 rows on. Not exercised by CI (no GPU there)."""
 
     name = "awq-ext"
 
@@ -96,7 +98,7 @@ class AwqExtLayout:
     def matmul(self, x: torch.Tensor, t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
         if x.shape[0] >= 1024:   # large prefill: dequantize once, then a dense matmul (as AutoAWQ does)
             weight = self._ext.dequantize_weights_cuda(t["qweight"], t["scales"], t["qzeros"], 0, 0, 0, False)
-            return x.to(weight.dtype) @ weight
+            return (x.half() @ weight).to(x.dtype)
         out = self._ext.gemm_forward_cuda(x.half(), t["qweight"], t["scales"], t["qzeros"], 8)
         return out.to(x.dtype)
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .format import AWQConfig, dequantize, quantize_groups
+from .format import AWQConfig, fake_quantize, quantize_groups
 from .texts import calibration_texts
 
 GRID = 20
@@ -66,11 +66,6 @@ def capture_inputs(model: nn.Module, token_ids: torch.Tensor) -> dict[int, dict[
         for handle in handles:
             handle.remove()
     return {i: {k: torch.cat(v) for k, v in d.items()} for i, d in captured.items()}   # fp16 to halve memory
-
-
-def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """weight [N, K] after a 4-bit round trip."""
-    return dequantize(*quantize_groups(weight, group_size), group_size).T
 
 
 @torch.inference_mode()
