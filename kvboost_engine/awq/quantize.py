@@ -1,6 +1,6 @@
 """A small AWQ quantizer of our own: writes AutoAWQ's GEMM checkpoint format.
 
-Activation-aware scaling as in the AWQ paper, simplified: per group of linears sharing an
+Activation-aware scaling and range clipping as in the AWQ paper, simplified: per group of linears sharing an
 input (q/k/v after the input norm, gate/up after the post-attention norm, down after up,
 o after v when shapes allow), input channels are scaled by `mean|x| ** alpha` before
 round-to-nearest 4-bit quantization, alpha chosen on a grid to minimise the group's output
@@ -25,6 +25,7 @@ from .format import AWQConfig, fake_quantize, quantize_groups
 from .texts import calibration_texts
 
 GRID = 20
+CLIP_GRID = 10
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -85,6 +86,24 @@ def search_scale(linears: list[nn.Linear], x: torch.Tensor, group_size: int) -> 
 
 
 @torch.inference_mode()
+def search_clip(weight: torch.Tensor, x_sq: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group range factors [N, K/g] (1.0 .. 0.5) minimising the activation-weighted error
+    sum_k mean(x_k^2) (w - w_q)^2 of each group; `x_sq` [K] is the mean squared input."""
+    w = weight.float()
+    n, k = w.shape
+    best_err = torch.full((n, k // group_size), float("inf"))
+    best = torch.ones(n, k // group_size)
+    for step in range(CLIP_GRID):
+        ratio = 1.0 - 0.5 * step / CLIP_GRID
+        clip = torch.full_like(best, ratio)
+        err = ((w - fake_quantize(w, group_size, clip)).pow(2) * x_sq).reshape(n, -1, group_size).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, clip, best)
+    return best
+
+
+@torch.inference_mode()
 def apply_scale(previous: nn.Module, linears: list[nn.Linear], scales: torch.Tensor) -> None:
     """Fold 1/scales into the preceding op's output and scales into the linears' inputs."""
     if isinstance(previous, nn.Linear):
@@ -100,26 +119,44 @@ def apply_scale(previous: nn.Module, linears: list[nn.Linear], scales: torch.Ten
 def quantize_model(model: nn.Module, token_ids: torch.Tensor | None, group_size: int) -> dict[str, torch.Tensor]:
     """AWQ state dict (fp16 dense tensors; qweight/qzeros/scales per decoder linear) of `model`.
 
-    With `token_ids` None, no scale search (plain round-to-nearest). Modifies `model` in place.
+    With `token_ids` None, no search (plain round-to-nearest). Modifies `model` in place.
     """
     check_quantizable(model)
     inputs = capture_inputs(model, token_ids) if token_ids is not None else {}
+    clips: dict[int, torch.Tensor] = {}
     for index, layer in enumerate(model.model.layers):
-        for previous, linears, name in scale_groups(layer) if inputs else ():
-            apply_scale(previous, linears, search_scale(linears, inputs[index][name].float(), group_size))
-        inputs.pop(index, None)
+        if inputs:
+            clips.update(_search_layer(layer, inputs.pop(index), group_size))
     state: dict[str, torch.Tensor] = {}
-    quantized = {f"{n}" for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n}
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n}
     for name, tensor in model.state_dict().items():
         prefix, _, leaf = name.rpartition(".")
         if prefix in quantized and leaf == "weight":
-            qweight, qzeros, scales = quantize_groups(tensor, group_size)
+            qweight, qzeros, scales = quantize_groups(tensor, group_size, clips.get(id(quantized[prefix])))
             state.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
         else:
             state[name] = tensor.detach().to(torch.float16).contiguous()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
+
+
+def _search_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], group_size: int) -> dict[int, torch.Tensor]:
+    """Apply the best input scales of each group of one layer; return clip factors per linear (by id)."""
+    clips = {}
+    scaled = set()
+    for previous, linears, name in scale_groups(layer):
+        x = inputs[name].float()
+        scales = search_scale(linears, x, group_size)
+        apply_scale(previous, linears, scales)
+        x_sq = (x / scales).pow(2).mean(0)
+        for linear in linears:
+            clips[id(linear)] = search_clip(linear.weight, x_sq, group_size)
+            scaled.add(id(linear))
+    o_proj = layer.self_attn.o_proj
+    if id(o_proj) not in scaled:
+        clips[id(o_proj)] = search_clip(o_proj.weight, inputs["o_proj"].float().pow(2).mean(0), group_size)
+    return clips
 
 
 def save_checkpoint(model: nn.Module, state: dict[str, torch.Tensor], out: Path, group_size: int,
