@@ -53,6 +53,21 @@ def v4_view(src: Path, workdir: Path) -> Path:
     return view
 
 
+def autoawq_rtn(model, quant_config: dict) -> None:
+    """AutoAWQ's quantize-and-pack step (AwqQuantizer._apply_quant) on every decoder linear, no search."""
+    from awq.models._config import AwqConfig
+    from awq.quantize.quantizer import AwqQuantizer
+    from awq.utils.module import get_named_linears
+
+    quantizer = AwqQuantizer.__new__(AwqQuantizer)
+    quantizer.w_bit, quantizer.group_size = 4, quant_config["q_group_size"]
+    quantizer.zero_point, quantizer.version = True, "gemm"
+    for layer in model.model.model.layers:
+        quantizer._apply_quant(layer, get_named_linears(layer))
+    model.quant_config = AwqConfig.from_dict(quant_config)
+    model.is_quantized = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, required=True)
@@ -60,6 +75,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--no-clip", action="store_true", help="skip AutoAWQ's clip search (slow on CPU)")
+    parser.add_argument("--rtn", action="store_true",
+                        help="no calibration: AutoAWQ's own round-to-nearest and GEMM packing per linear")
     args = parser.parse_args()
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
@@ -71,9 +88,12 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(view))
         quant_config = {"zero_point": True, "q_group_size": args.group_size, "w_bit": 4, "version": "GEMM"}
         started = time.perf_counter()
-        model.quantize(tokenizer, quant_config=quant_config, calib_data=texts,
-                       max_calib_samples=args.samples, max_calib_seq_len=256, n_parallel_calib_samples=8,
-                       apply_clip=not args.no_clip)
+        if args.rtn:
+            autoawq_rtn(model, quant_config)
+        else:
+            model.quantize(tokenizer, quant_config=quant_config, calib_data=texts,
+                           max_calib_samples=args.samples, max_calib_seq_len=256, n_parallel_calib_samples=8,
+                           apply_clip=not args.no_clip)
         print(f"quantized in {time.perf_counter() - started:.0f} s")
         model.save_quantized(str(args.out))
     for name in TOKENIZER_FILES:   # our (transformers 5) tokenizer files, so kvboost reads them as usual

@@ -74,7 +74,7 @@ def baseline_rss() -> dict:
 
 
 def child(args: list[str]) -> dict:
-    result = subprocess.run([sys.executable, "-m", "benchmarks.awq_streaming", "--child", *args],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.awq_streaming", *args],
                             capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -86,3 +86,15 @@ def test_fake_quantize_equals_packed_round_trip():
     weight = torch.randn(24, 128, generator=torch.Generator().manual_seed(3))
     from kvboost_engine.awq.format import fake_quantize
     assert torch.equal(fake_quantize(weight, 64), dequantize(*quantize_groups(weight, 64), 64).T)
+
+
+def test_clip_search_never_worse_than_no_clip():
+    from kvboost_engine.awq.format import fake_quantize
+    from kvboost_engine.awq.quantize import search_clip
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(8, 64, generator=gen) * torch.rand(1, 64, generator=gen)
+    x_sq = torch.rand(64, generator=gen)
+    clip = search_clip(weight, x_sq, 32)
+    def err(c):
+        return (((weight - fake_quantize(weight, 32, c)) ** 2) * x_sq).sum()
+    assert err(clip) <= err(None) + 1e-6 and bool((clip <= 1).all())
