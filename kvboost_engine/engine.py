@@ -55,13 +55,26 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device=None, dtype=None,
                         cache_bytes: int = DEFAULT_CACHE_BYTES, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                        **options) -> "Engine":
-        """Load a model: None (the embedded SmolLM2-135M-Instruct), an HF directory, a .gguf file or a hub id."""
+                        resident_layers: int | None = None, resident_bytes: int | None = None,
+                        stream_from: str | None = None, staging_slots: int | None = None,
+                        awq_kernel: str | None = None, **options) -> "Engine":
+        """Load a model: None (the embedded SmolLM2-135M-Instruct), an HF directory, a .gguf file or a hub id.
+
+        An AWQ checkpoint directory (AutoAWQ GEMM layout) is recognised by its quantization_config.
+        For it, `resident_layers=k` keeps k decoder layers resident (first ceil(k/2), last
+        floor(k/2)) and streams the others from a backing tier just before they run; None keeps
+        all resident. `resident_bytes` instead sizes residency by a byte budget (staging slots
+        included). `stream_from`: "disk" (default; a pack file under the kvboost cache dir) or
+        "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
+        `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
+        """
         config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _resolve_dtype(dtype, device)
         source = resolve_model_dir(model)
-        hf_model, tokenizer = load_model_and_tokenizer(source, device=device, dtype=dtype)
+        hf_model, tokenizer = load_model_and_tokenizer(
+            source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
+            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel)
         name = "SmolLM2-135M-Instruct" if model is None else os.fspath(model)
         return cls(hf_model, tokenizer, config=config, model_name=name)
 
@@ -156,10 +169,23 @@ class Engine:
         return sum(span.length for span in self.cache.match(prompt.token_ids))
 
     def stats(self) -> dict:
-        """Cache hits, misses, bytes used, evictions, and request counters."""
+        """Cache hits, misses, bytes used, evictions, request counters; for AWQ models also the
+        kernel, weight bytes and (when streaming) bytes streamed, prefetch hit rate, peak RSS."""
         with self._counter_lock:
             counters = dict(self._counters)
-        return {**self.cache.stats(), **counters}
+        return {**self.cache.stats(), **counters, **_weight_stats(self.model)}
+
+
+def _weight_stats(model) -> dict:
+    """AWQ loading and layer-streaming telemetry, when the model has them."""
+    out = {}
+    info = getattr(model, "kvboost_awq", None)
+    if info is not None:
+        out.update(info.as_dict())
+    streamer = getattr(model, "kvboost_streamer", None)
+    if streamer is not None:
+        out.update(streamer.telemetry())
+    return out
 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:

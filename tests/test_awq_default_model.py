@@ -1,0 +1,33 @@
+"""The default model (30 layers) as AWQ: streaming with 2 resident layers is token-identical.
+
+Round-to-nearest quantization only (no calibration search) keeps this test to seconds; the
+searched checkpoint's perplexity is measured by benchmarks/awq_check.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_engine import Engine
+from kvboost_engine.awq.quantize import quantize_model, save_checkpoint
+from kvboost_engine.loading import default_model_dir
+
+
+@pytest.fixture(scope="module")
+def smol_awq(smol, tmp_path_factory):
+    from kvboost_engine.loading import load_model_and_tokenizer
+    model, _ = load_model_and_tokenizer(default_model_dir(), device=torch.device("cpu"), dtype=torch.float32)
+    path = tmp_path_factory.mktemp("awq") / "smol-awq-rtn"
+    save_checkpoint(model, quantize_model(model, None, 64), path, 64, default_model_dir())
+    return path
+
+
+def test_streaming_2_of_30_token_identical(smol_awq):
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    resident = Engine.from_pretrained(smol_awq, cache_bytes=0).chat(messages, max_new_tokens=16)
+    engine = Engine.from_pretrained(smol_awq, cache_bytes=0, resident_layers=2)
+    streamed = engine.chat(messages, max_new_tokens=16)
+    assert streamed.token_ids == resident.token_ids
+    stats = engine.stats()
+    assert (stats["resident_layers"], stats["streamed_layers"]) == (2, 28)
+    assert stats["staging_bytes"] < 0.1 * (stats["resident_layer_bytes"] + stats["streamed_layer_bytes"])
