@@ -1,0 +1,74 @@
+"""Which entries the disk tier holds, their sizes and recency, under a byte budget (no I/O)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class LruBudget:
+    """Entry sizes, least recently used first; `bytes_used` never exceeds `budget_bytes`
+    through `reserve` (plain `add` may overshoot, `trim` brings it back). Not locked: the
+    owner holds its own lock."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.bytes_used = 0
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def add(self, key: bytes, size: int) -> None:
+        """Record `key` (replacing its old size) as the most recently used entry."""
+        self.bytes_used += size - self._sizes.pop(key, 0)
+        self._sizes[key] = size
+
+    def touch(self, key: bytes) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+
+    def remove(self, key: bytes) -> int | None:
+        """Forget `key`; returns its size, or None if it was not held."""
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.bytes_used -= size
+        return size
+
+    def reserve(self, key: bytes, size: int, protected: set[bytes]) -> list[bytes] | None:
+        """Make room for `key` of `size` bytes by dropping least recently used entries (never
+        `key` itself or `protected` ones), then record it. Returns the dropped keys, or None
+        (and changes nothing) when it cannot fit."""
+        if size > self.budget_bytes:
+            return None
+        excess = self.bytes_used - self._sizes.get(key, 0) + size - self.budget_bytes
+        victims = self._oldest(excess, protected | {key})
+        if victims is None:
+            return None
+        for victim in victims:
+            self.remove(victim)
+        self.add(key, size)
+        return victims
+
+    def trim(self, protected: set[bytes]) -> list[bytes]:
+        """Drop least recently used unprotected entries until the budget holds; returns them."""
+        victims = []
+        for key in list(self._sizes):
+            if self.bytes_used <= self.budget_bytes:
+                break
+            if key not in protected:
+                self.remove(key)
+                victims.append(key)
+        return victims
+
+    def _oldest(self, excess: int, protected: set[bytes]) -> list[bytes] | None:
+        """The oldest unprotected keys whose sizes sum to at least `excess`; None if too few."""
+        victims: list[bytes] = []
+        for key, size in self._sizes.items():
+            if excess <= 0:
+                break
+            if key not in protected:
+                victims.append(key)
+                excess -= size
+        return victims if excess <= 0 else None
