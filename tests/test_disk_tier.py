@@ -4,7 +4,9 @@ No model: random tensors shaped like KV ([2, layers, kv_heads, n, head_dim]).
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import shutil
 import threading
 import time
 
@@ -13,6 +15,7 @@ import torch
 
 from kvboost_engine.disk import DiskTier
 from kvboost_engine.disk.fileformat import HEADER_SIZE
+from kvboost_engine.disk.index import LruBudget
 from kvboost_engine.disk.layout import STALE_TEMP_SECONDS
 from kvboost_engine.errors import InputError
 
@@ -100,6 +103,17 @@ def test_entry_larger_than_budget_is_refused(tmp_path):
     assert not tier.put_async(key(1), *entry(1))
     assert tier.stats()["refused"] == 2 and files(tier) == []
     assert tier.get(key(1)) is None
+
+
+def test_index_reserve_skips_protected_and_changes_nothing_when_refused():
+    index = LruBudget(10)
+    index.add(b"a", 4), index.add(b"b", 4)
+    assert index.reserve(b"c", 6, protected={b"a", b"b"}) is None
+    assert (len(index), index.bytes_used) == (2, 8)
+    assert index.reserve(b"c", 6, protected={b"a"}) == [b"b"]
+    assert (b"a" in index, b"b" in index, index.bytes_used) == (True, False, 10)
+    assert index.reserve(b"a", 5, protected=set()) == [b"c"]     # replacing a key frees its old size
+    assert index.bytes_used == 5
 
 
 def test_restart_sees_old_entries_in_lru_order(tmp_path):
@@ -202,6 +216,46 @@ def test_second_instance_on_same_directory_shares_files(tmp_path):
     assert second.stats()["entries"] == 1
     second.delete(key(1))                      # "evicted by the other process"
     assert first.get(key(1)) is None and first.stats()["entries"] == 0
+
+
+def test_file_over_my_budget_from_a_bigger_tier_is_served_not_accounted(tmp_path):
+    big = DiskTier(tmp_path, 3 * size_of(), FP)
+    small = DiskTier(tmp_path, size_of() - 1, FP)
+    put(big, 1)
+    assert_same(small.get(key(1)), entry(1))
+    assert small.stats()["bytes_used"] == 0 <= small.stats()["budget_bytes"]
+
+
+def test_directory_removed_while_running_is_recreated(tmp_path):
+    tier = DiskTier(tmp_path / "cache", 3 * size_of(), FP)
+    put(tier, 1)
+    shutil.rmtree(tmp_path / "cache")
+    assert tier.get(key(1)) is None
+    assert put(tier, 2)
+    assert_same(tier.get(key(2)), entry(2))
+
+
+def _rewrite_entries(directory, rounds: int) -> None:
+    """Child process: write keys 0-3 over and over (each write replaces the last)."""
+    tier = DiskTier(directory, 8 * size_of(), FP, fsync=False)
+    for step in range(rounds):
+        put(tier, step % 4)
+
+
+def test_another_process_writing_never_shows_a_partial_file(tmp_path):
+    reader = DiskTier(tmp_path, 8 * size_of(), FP)
+    child = multiprocessing.get_context("fork").Process(target=_rewrite_entries, args=(tmp_path, 200))
+    child.start()
+    seen = 0
+    while child.is_alive() or seen == 0:
+        for i in range(4):
+            got = reader.get(key(i))
+            if got is not None:
+                assert_same(got, entry(i))
+                seen += 1
+    child.join()
+    assert child.exitcode == 0 and seen > 0
+    assert reader.stats()["corrupt_files_deleted"] == 0
 
 
 def test_delete(tier):

@@ -225,7 +225,7 @@ class DiskTier:
         path = self._path(key)
         temp = temp_path(path)
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)   # even if removed by hand meanwhile
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
@@ -265,7 +265,11 @@ class DiskTier:
                     pass
 
     def _adopt(self, key: bytes, size: int) -> None:
-        """Account a file another process wrote; evicts older ones if it breaks the budget."""
+        """Account a file another process wrote; evicts older ones if it breaks the budget.
+        A file larger than this tier's whole budget (another process may have a larger one)
+        is served but not accounted, so it is never evicted from here."""
+        if size > self._index.budget_bytes:
+            return
         self._index.add(key, size)
         self._unlink_evicted(self._index.trim(self._writing | {key}))
 
