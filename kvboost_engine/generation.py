@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -30,6 +30,7 @@ class Generation:
     recomputed: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    first_logits: object = None     # [vocab] fp32 tensor, only with keep_first_logits=True
 
     @property
     def completion_tokens(self) -> int:
@@ -44,12 +45,14 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def telemetry(self) -> dict:
-        data = asdict(self)
-        data.pop("text")
-        data.pop("token_ids")
+        data = {name: getattr(self, name) for name in _TELEMETRY}
         data["completion_tokens"] = self.completion_tokens
         data["computed_tokens"] = self.computed_tokens
         return data
+
+
+_TELEMETRY = ("finish_reason", "prompt_tokens", "reused_tokens", "reused_exact", "reused_moved", "recomputed",
+              "ttft_s", "total_s")
 
 
 class GenerationStream(Iterator[str]):

@@ -81,6 +81,8 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
         gen.recomputed = done.recomputed
         token = sampler(done.logits)
         gen.ttft_s = time.perf_counter() - started
+        if params.keep_first_logits:
+            gen.first_logits = done.logits
         store(parts, prompt, kv, n, exact_upto)
         gen.finish_reason = "length"
         while True:

@@ -11,7 +11,8 @@ from .errors import InputError
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 is greedy; ignore_eos (for
-    benchmarks) keeps decoding past EOS until max_new_tokens or a stop string."""
+    benchmarks) keeps decoding past EOS until max_new_tokens or a stop string; keep_first_logits
+    puts the logits the first token was sampled from on `Generation.first_logits`."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -20,10 +21,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    keep_first_logits: bool = False
 
     @classmethod
     def build(cls, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None,
-              ignore_eos=False) -> "SamplingParams":
+              ignore_eos=False, keep_first_logits=False) -> "SamplingParams":
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if not isinstance(temperature, (int, float)) or temperature < 0:
@@ -36,7 +38,8 @@ class SamplingParams:
             raise InputError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InputError(f"seed must be an int or None, got {seed!r}")
-        return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed, bool(ignore_eos))
+        return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed, bool(ignore_eos),
+                   bool(keep_first_logits))
 
 
 def _stops(stop) -> tuple[str, ...]:
