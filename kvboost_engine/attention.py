@@ -12,94 +12,93 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kv import SequenceKV
-
 ATTENTION_NAME = "kvboost"
 
 
 class AttentionStep:
     """One forward over new tokens at positions start..end, reading KV of 0..end."""
 
-    __slots__ = ("kv", "start", "end", "masks", "layer_windows")
+    __slots__ = ("kv", "start", "end", "masks", "layer_windows", "_explicit")
 
-    def __init__(self, kv: SequenceKV, start: int, end: int, layer_windows: tuple):
+    def __init__(self, kv, start: int, end: int, layer_windows: tuple):
         self.kv = kv
         self.start = start
         self.end = end
         self.layer_windows = layer_windows
-        self.masks = {w: causal_mask(start, end, w, kv.data.device) for w in set(layer_windows)}
+        self.masks = {w: causal_mask(start, end, w, _device(kv)) for w in set(layer_windows)}
+        self._explicit = {}
 
     def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
         # query [1, H, N, D]; keys/values [1, Hkv, N, D] -> output [1, N, H, D]
         self.kv.write(layer, keys, values, self.start)
-        all_keys, all_values = self.kv.view(layer, self.end)
-        mask = self.masks[self.layer_windows[layer]]
+        window = self.layer_windows[layer]
+        mask = self.masks[window]
         is_causal = mask is None and self.start == 0 and query.shape[2] > 1
-        out = F.scaled_dot_product_attention(
-            query, all_keys, all_values, attn_mask=mask, is_causal=is_causal,
-            scale=scaling, enable_gqa=query.shape[1] != all_keys.shape[1],
-        )
+        out = self.kv.attend(layer, query, mask, is_causal, scaling, self.end, lambda: self._full_mask(window))
         return out.transpose(1, 2)
+
+    def _full_mask(self, window):
+        """The mask with nothing implied (for attention split into runs)."""
+        if window not in self._explicit:
+            mask = self.masks[window]
+            if mask is None and self.end - self.start > 1:
+                mask = explicit_mask(torch.arange(self.start, self.end, device=_device(self.kv)), self.end, window)
+            self._explicit[window] = mask
+        return self._explicit[window]
 
 
 class ScatterStep:
     """One forward over active tokens at arbitrary positions (moved-reuse repair).
 
-    Fresh K/V of the active tokens overwrite the buffer at their positions; every query sees
-    all keys up to its own position (cached, re-rotated or fresh). With `measure`, the
+    Fresh K/V of the active tokens overwrite the sequence's KV at their positions; every query
+    sees all keys up to its own position (cached, re-rotated or fresh). With `measure`, the
     per-token deviation of fresh from cached K/V is recorded before overwriting.
     """
 
     __slots__ = ("kv", "positions", "end", "masks", "layer_windows", "measure", "deviation")
 
-    def __init__(self, kv: SequenceKV, positions: torch.Tensor, end: int, layer_windows: tuple, measure: bool):
+    def __init__(self, kv, positions: torch.Tensor, end: int, layer_windows: tuple, measure: bool):
         self.kv = kv
         self.positions = positions                      # [A] ascending absolute positions
         self.end = end
         self.layer_windows = layer_windows
         self.measure = measure
         self.deviation = None
-        k_pos = torch.arange(end, device=positions.device)[None, :]
-        q_pos = positions[:, None]
-        self.masks = {}
-        for w in set(layer_windows):
-            mask = k_pos <= q_pos
-            if w is not None:
-                mask &= k_pos > q_pos - w
-            self.masks[w] = mask
+        self.masks = {w: explicit_mask(positions, end, w) for w in set(layer_windows)}
 
     def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
         # query [1, H, A, D]; keys/values [1, Hkv, A, D] -> output [1, A, H, D]
-        cached_k = self.kv.data[0, layer, :, :, self.positions]
-        cached_v = self.kv.data[1, layer, :, :, self.positions]
         if self.measure:
+            cached_k, cached_v = self.kv.gather(layer, self.positions)
             self.deviation = ((keys - cached_k) ** 2).sum((0, 1, 3)) + ((values - cached_v) ** 2).sum((0, 1, 3))
-        self.kv.data[0, layer, :, :, self.positions] = keys
-        self.kv.data[1, layer, :, :, self.positions] = values
-        all_keys, all_values = self.kv.view(layer, self.end)
-        out = F.scaled_dot_product_attention(
-            query, all_keys, all_values, attn_mask=self.masks[self.layer_windows[layer]],
-            scale=scaling, enable_gqa=query.shape[1] != all_keys.shape[1],
-        )
+        self.kv.write_at(layer, keys, values, self.positions)
+        mask = self.masks[self.layer_windows[layer]]
+        out = self.kv.attend(layer, query, mask, False, scaling, self.end, lambda: mask)
         return out.transpose(1, 2)
+
+
+def _device(kv):
+    return kv.data.device if hasattr(kv, "data") else kv.pool.ram.device
+
+
+def explicit_mask(q_positions: torch.Tensor, end: int, window: int | None) -> torch.Tensor:
+    """Bool [A, end]: query at position q sees keys k with q - window < k <= q."""
+    k_pos = torch.arange(end, device=q_positions.device)[None, :]
+    q_pos = q_positions[:, None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
 
 
 def causal_mask(start: int, end: int, window: int | None, device) -> torch.Tensor | None:
     """Bool mask [N, end] (True = attend) for queries at start..end, or None when not needed.
 
     None means: a single query over all keys, or a full causal square (SDPA's is_causal).
-    With a sliding window a key is visible when query_pos - window < key_pos <= query_pos.
     """
-    n = end - start
-    if window is None or window >= end:
-        if n == 1 or start == 0:
-            return None
-    q_pos = torch.arange(start, end, device=device)[:, None]
-    k_pos = torch.arange(end, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    return mask
+    if (window is None or window >= end) and (end - start == 1 or start == 0):
+        return None
+    return explicit_mask(torch.arange(start, end, device=device), end, window)
 
 
 def kvboost_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -8,6 +8,7 @@ from .errors import InputError
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CHUNK_TOKENS = 256
 MOVED_STRATEGIES = ("blend", "none", "full")
+DEFAULT_DISK_BYTES = 8 * 1024**3
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,6 +24,15 @@ class EngineConfig:
         "blend" (default) re-rotates their keys and recomputes the `recompute_ratio` share of
         tokens whose KV deviates most at `check_layer` (plus the first `recompute_head_tokens`
         of each moved span); "none" re-rotates only; "full" recomputes them all (no moved reuse).
+    paged: keep each request's KV as a block table over a shared pool (default on CPU): cached
+        prefixes are mapped without copying. False: one contiguous buffer per request.
+    block_tokens: positions per pool block.
+    kv_pool_bytes: RAM for all KV, cached chunks and running requests together (default:
+        cache_bytes plus two requests at the full context window). A request that cannot get
+        its KV even after evicting cached chunks is refused before any work.
+    disk_cache_dir / disk_cache_bytes: a disk tier: cached chunks are written there (checksummed,
+        atomic), found again after eviction or a restart, and requests longer than the pool
+        spill to a file there instead of being refused.
     """
 
     cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -32,6 +42,11 @@ class EngineConfig:
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 4
     check_layer: int = 1
+    paged: bool | None = None
+    block_tokens: int = 16
+    kv_pool_bytes: int | None = None
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = DEFAULT_DISK_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
@@ -46,3 +61,9 @@ class EngineConfig:
             raise InputError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
         if self.recompute_head_tokens < 0 or self.check_layer < 0:
             raise InputError("recompute_head_tokens and check_layer must be >= 0")
+        if self.block_tokens < 1:
+            raise InputError(f"block_tokens must be >= 1, got {self.block_tokens!r}")
+        if self.kv_pool_bytes is not None and self.kv_pool_bytes < 0:
+            raise InputError(f"kv_pool_bytes must be >= 0, got {self.kv_pool_bytes!r}")
+        if self.disk_cache_bytes < 0:
+            raise InputError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes!r}")

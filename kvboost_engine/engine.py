@@ -1,8 +1,11 @@
 """The public engine: load a model once, then chat/generate with KV reuse across requests."""
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
 import threading
+import weakref
 
 import torch
 
@@ -13,7 +16,7 @@ from .errors import InputError
 from .forward import Forward
 from .generation import Generation, GenerationStream
 from .hashing import model_fingerprint
-from .kv import SequenceKV
+from .pool import BlockPool
 from .loading import load_model_and_tokenizer, resolve_model_dir
 from .prompt import ChatRenderer, segments_from_prompt
 from .prefill import PrefillParts
@@ -43,7 +46,10 @@ class Engine:
         adapter = ModelAdapter(model)
         self.adapter = adapter
         self.fingerprint = model_fingerprint(model, adapter.rope_settings())
-        self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, adapter.geometry.bytes_per_token)
+        if self.config.paged is None:
+            self.config = dataclasses.replace(self.config, paged=adapter.device.type == "cpu")
+        self.disk = _disk_tier(self.config, self.fingerprint)
+        self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, _pool(self.config, adapter), self.disk)
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
         self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         prefill_parts = PrefillParts(adapter, Forward(adapter), self.cache, RopeMover(adapter), self.config,
@@ -122,9 +128,11 @@ class Engine:
         else:
             tokenized = self.encode_messages(messages, **(template_kwargs or {}))
         check_window(self._parts, len(tokenized), 1)
-        kv = SequenceKV(self.adapter.geometry, len(tokenized), self.adapter.device)
-        done = prefill_prompt(self._parts, tokenized, kv, 1)
-        store(self._parts, tokenized, kv, len(tokenized), done.exact_upto)
+        done = prefill_prompt(self._parts, tokenized, 0)
+        try:
+            store(self._parts, tokenized, done.sequence, len(tokenized), done.exact_upto)
+        finally:
+            done.sequence.release()
         return done.logits
 
     @property
@@ -163,10 +171,14 @@ class Engine:
             prompt = self.encode_messages(text_or_messages, add_generation_prompt=False)
         n = len(prompt)
         check_window(self._parts, n, 0)
-        kv = SequenceKV(self.adapter.geometry, n, self.adapter.device)
-        done = prefill_prompt(self._parts, prompt, kv, 0)
-        store(self._parts, prompt, kv, n, done.exact_upto, pin=pin)
-        return sum(span.length for span in self.cache.match(prompt.token_ids))
+        done = prefill_prompt(self._parts, prompt, 0)
+        try:
+            store(self._parts, prompt, done.sequence, n, done.exact_upto, pin=pin)
+        finally:
+            done.sequence.release()
+        match = self.cache.match(prompt.token_ids, n)
+        self.cache.release(match.table)
+        return match.length
 
     def stats(self) -> dict:
         """Cache hits, misses, bytes used, evictions, request counters; for AWQ models also the
@@ -186,6 +198,29 @@ def _weight_stats(model) -> dict:
     if streamer is not None:
         out.update(streamer.telemetry())
     return out
+
+
+def _pool(config: EngineConfig, adapter: ModelAdapter) -> BlockPool:
+    per_request = adapter.context_window * adapter.geometry.bytes_per_token
+    ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + 2 * per_request
+    spill_dir = os.path.join(config.disk_cache_dir, "spill") if config.disk_cache_dir else None
+    return BlockPool(adapter.geometry, ram, adapter.device, block_tokens=config.block_tokens,
+                     spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0)
+
+
+def _disk_tier(config: EngineConfig, fingerprint: bytes):
+    if not config.disk_cache_dir:
+        return None
+    from .disk import DiskTier
+    tier = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint)
+    atexit.register(_flush_quietly, weakref.ref(tier))
+    return tier
+
+
+def _flush_quietly(tier_ref) -> None:
+    tier = tier_ref()
+    if tier is not None:
+        tier.flush(timeout=60)
 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:

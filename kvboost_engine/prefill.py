@@ -1,7 +1,9 @@
-"""Prefill with reuse: plan (exact prefix + moved spans + new tokens), load KV, compute the rest.
+"""Prefill with reuse: plan (exact prefix + moved spans + new tokens), build the sequence's KV,
+compute the rest.
 
-- Exact prefix KV is copied in as is.
-- Moved spans (documents / plain text cached elsewhere) are copied in and their keys
+- Exact prefix KV: a paged sequence maps the cached blocks (a shared partial last block is
+  copied on write); a contiguous sequence copies them in.
+- Moved spans (documents / plain text cached elsewhere) are copied in with their keys
   re-rotated to the new positions; then, by strategy:
     blend - every moved token is recomputed up to the check layer, and only those whose KV
             deviates most (plus the first tokens of each span) from there on;
@@ -9,6 +11,8 @@
     full  - moved lookup is skipped: everything after the exact prefix is computed.
 - New tokens are always computed through all layers. The last prompt token is never reused,
   so there are logits to sample from.
+All memory a request needs is reserved before any compute; if the pool cannot provide it even
+after evicting cached chunks, the request is refused with a BudgetError.
 """
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ import torch
 
 from .arch import ModelAdapter
 from .blend import Selector
-from .cache import ChunkCache
+from .cache import ChunkCache, Match
 from .config import EngineConfig
+from .errors import BudgetError
 from .forward import Forward
 from .kv import SequenceKV
+from .paged import PagedSequence
 from .rope import RopeMover
 from .tokens import TokenizedPrompt
 from .tree import KVSpan
@@ -30,8 +36,9 @@ from .tree import KVSpan
 
 @dataclass(slots=True)
 class Prefilled:
-    """Logits after the prompt and what the prompt's KV is made of."""
+    """The sequence holding the prompt's KV, logits after the prompt, and what the KV is made of."""
 
+    sequence: object
     logits: torch.Tensor
     reused_exact: int       # from exact-prefix hits on exact KV
     reused_moved: int       # from moved hits (or prefix hits on repaired KV)
@@ -49,24 +56,54 @@ class PrefillParts:
     compute_lock: threading.Lock
 
 
-def prefill(parts: PrefillParts, prompt: TokenizedPrompt, kv: SequenceKV, max_position: int) -> Prefilled:
-    """Fill `kv` for the whole prompt, reusing what the cache has; return last-position logits."""
+def prefill(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int) -> Prefilled:
+    """Build a sequence for prompt + `new_tokens`, reusing what the cache has; compute the rest."""
     n = len(prompt)
-    prefix = parts.cache.match(prompt.token_ids, limit=n - 1)
-    prefix_len = sum(span.length for span in prefix)
-    moved = _moved_spans(parts, prompt, prefix_len, max_position)
-    for span in prefix + moved:
-        _load(parts, kv, span)
-    reused_exact = sum(s.length for s in prefix if s.exact)
-    exact_upto = next((s.start for s in prefix if not s.exact), moved[0].start if moved else n)
-    reused_moved = prefix_len - reused_exact + sum(s.length for s in moved)
-    recomputed = 0
-    with parts.compute_lock:
-        if not moved:
-            logits = parts.forward(kv, prompt.token_ids[prefix_len:], prefix_len)
-        else:
-            logits, recomputed = _repair(parts, prompt, kv, prefix_len, moved)
-    return Prefilled(logits, reused_exact, reused_moved, recomputed, exact_upto)
+    match = parts.cache.match(prompt.token_ids, n - 1, prompt.chunk_ends)
+    moved = _moved_spans(parts, prompt, match.length, n + new_tokens)
+    sequence = None
+    try:
+        sequence = _sequence(parts, match, n + new_tokens)
+        for span in moved:
+            _load_moved(parts, sequence, span)
+    except BaseException:
+        if sequence is not None:
+            sequence.release()
+        raise
+    finally:
+        for span in moved:
+            parts.cache.release(span.table)
+    try:
+        return _compute(parts, prompt, sequence, match, moved)
+    except BaseException:
+        sequence.release()
+        raise
+
+
+def _sequence(parts: PrefillParts, match: Match, capacity: int):
+    """A sequence with the matched prefix in place and room for `capacity` positions."""
+    pool = parts.cache.pool
+    if not parts.config.paged:
+        sequence = SequenceKV(parts.adapter.geometry, capacity, parts.adapter.device, pool)
+        try:
+            if match.length:
+                sequence.load(pool.read(match.table, 0, match.length), 0)
+        finally:
+            parts.cache.release(match.table)
+        return sequence
+    sequence = PagedSequence(pool, capacity)
+    sequence.map_shared(match.table)
+    try:
+        b = pool.block_tokens
+        own = -(-capacity // b) - len(match.table) + (1 if match.length % b else 0)
+        parts.cache.make_room(own)
+        if match.length % b:
+            sequence.copy_on_write(match.length // b, match.length)
+        sequence.reserve()
+    except BudgetError as err:
+        sequence.release()
+        raise BudgetError(f"request refused before any work: it needs KV for {capacity} positions; {err}") from None
+    return sequence
 
 
 def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, max_position: int) -> list[KVSpan]:
@@ -76,17 +113,29 @@ def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, 
     return parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len, n - 1)
 
 
-def _load(parts: PrefillParts, kv: SequenceKV, span: KVSpan) -> None:
-    position = span.start
-    for chunk_kv, offset, count in span.pieces:
-        kv.load_chunk(chunk_kv[:, :, :, offset:offset + count], position)
-        position += count
+def _load_moved(parts: PrefillParts, sequence, span: KVSpan) -> None:
+    kv = parts.cache.pool.read(span.table, span.source_start, span.length)
     if span.source_start != span.start:
-        keys = kv.data[0, :, 0, :, span.start:span.start + span.length]       # [layers, kv_heads, n, D]
-        parts.mover.move(keys, span.source_start, span.start)
+        parts.mover.move(kv[0], span.source_start, span.start)             # keys [layers, kv_heads, n, D]
+    sequence.load(kv, span.start)
 
 
-def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv: SequenceKV, prefix_len: int,
+def _compute(parts: PrefillParts, prompt: TokenizedPrompt, sequence, match: Match, moved: list[KVSpan]) -> Prefilled:
+    n = len(prompt)
+    prefix_len = match.length
+    reused_exact = sum(s.length for s in match.spans if s.exact)
+    exact_upto = next((s.start for s in match.spans if not s.exact), moved[0].start if moved else n)
+    reused_moved = prefix_len - reused_exact + sum(s.length for s in moved)
+    recomputed = 0
+    with parts.compute_lock:
+        if not moved:
+            logits = parts.forward(sequence, prompt.token_ids[prefix_len:], prefix_len)
+        else:
+            logits, recomputed = _repair(parts, prompt, sequence, prefix_len, moved)
+    return Prefilled(sequence, logits, reused_exact, reused_moved, recomputed, exact_upto)
+
+
+def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv, prefix_len: int,
             moved: list[KVSpan]) -> tuple[torch.Tensor, int]:
     """Compute new tokens (and, for blend, selected moved tokens). Returns (logits, moved tokens recomputed)."""
     n = len(prompt)

@@ -15,7 +15,6 @@ from .arch import ModelAdapter
 from .detok import TextAssembler
 from .errors import ContextWindowError
 from .generation import Generation
-from .kv import SequenceKV
 from .prefill import Prefilled, PrefillParts, prefill
 from .sampling import Sampler, SamplingParams
 from .tokens import PromptTokenizer, TokenizedPrompt
@@ -34,7 +33,7 @@ class EngineParts:
     def adapter(self) -> ModelAdapter:
         return self.prefill.adapter
 
-    def compute(self, kv: SequenceKV, token_ids: list[int], start: int) -> torch.Tensor:
+    def compute(self, kv, token_ids: list[int], start: int) -> torch.Tensor:
         with self.prefill.compute_lock:
             return self.prefill.forward(kv, token_ids, start)
 
@@ -48,7 +47,7 @@ def check_window(parts: EngineParts, prompt_tokens: int, max_new_tokens: int) ->
         )
 
 
-def store(parts: EngineParts, prompt: TokenizedPrompt, kv: SequenceKV, upto: int, exact_upto: int,
+def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto: int,
           extra_tokens: list[int] = (), *, pin: bool = False) -> int:
     """Insert the KV of the prompt (plus `extra_tokens` generated after it) into the cache."""
     n = len(prompt)
@@ -56,26 +55,25 @@ def store(parts: EngineParts, prompt: TokenizedPrompt, kv: SequenceKV, upto: int
     tokens = prompt.token_ids + list(extra_tokens)
     ends = prompt.chunk_ends + list(range(n + chunk, upto, chunk)) + ([upto] if upto > n else [])
     kinds = prompt.chunk_kinds + ["generated"] * (len(ends) - len(prompt.chunk_ends))
-    return parts.prefill.cache.insert(tokens, ends, upto, kv.export, pin=pin, exact_upto=exact_upto,
+    return parts.prefill.cache.insert(tokens, ends, upto, kv, pin=pin, exact_upto=exact_upto,
                                       chunk_kinds=kinds)
 
 
-def prefill_prompt(parts: EngineParts, prompt: TokenizedPrompt, kv: SequenceKV, new_tokens: int) -> Prefilled:
-    return prefill(parts.prefill, prompt, kv, len(prompt) + new_tokens)
+def prefill_prompt(parts: EngineParts, prompt: TokenizedPrompt, new_tokens: int) -> Prefilled:
+    return prefill(parts.prefill, prompt, new_tokens)
 
 
 def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingParams,
                 cancel: threading.Event) -> Generator[str, None, Generation]:
     started = time.perf_counter()
     n = len(prompt)
-    kv = SequenceKV(parts.adapter.geometry, n + params.max_new_tokens, parts.adapter.device)
     gen = Generation(prompt_tokens=n)
     sampler = Sampler(params, parts.adapter.device)
     text = TextAssembler(parts.tokenizer, params.stop)
-    valid, exact_upto = 0, 0                        # KV positions computed / equal to a full prefill
+    done = prefill_prompt(parts, prompt, params.max_new_tokens)
+    kv = done.sequence
+    valid, exact_upto = n, done.exact_upto          # KV positions computed / equal to a full prefill
     try:
-        done = prefill_prompt(parts, prompt, kv, params.max_new_tokens)
-        valid, exact_upto = n, done.exact_upto
         gen.reused_exact, gen.reused_moved = done.reused_exact, done.reused_moved
         gen.reused_tokens = done.reused_exact + done.reused_moved
         gen.recomputed = done.recomputed
@@ -111,8 +109,11 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
         gen.finish_reason = "cancelled"
         raise
     finally:
-        if valid > n:
-            store(parts, prompt, kv, valid, exact_upto, gen.token_ids[:valid - n])
+        try:
+            if valid > n:
+                store(parts, prompt, kv, valid, exact_upto, gen.token_ids[:valid - n])
+        finally:
+            kv.release()
     gen.text = text.final_text
     _remember_reply(parts, gen, text)
     gen.total_s = time.perf_counter() - started

@@ -1,6 +1,9 @@
 """Radix-tree nodes and walks over them (no locking, no budget: see cache.py).
 
-A node holds the KV of a run of tokens, valid after exactly the tokens on its root path.
+A node stands for a run of tokens whose KV, valid after exactly the tokens on its root path,
+lives in pool blocks: `blocks[i]` holds block index `first_block + i` (positions
+[(first_block + i) * B, ...)). A block that a node starts or ends inside also holds the KV of
+the neighbouring positions of the same path, so a path's block table is read node by node.
 `exact` says whether that KV equals what a full prefill of the path would give; it is False
 for KV that came from, or was computed after, a moved (repaired) hit.
 """
@@ -8,17 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 class Node:
-    __slots__ = ("key", "tokens", "kv", "parent", "children", "start", "hits", "pinned", "uid",
-                 "exact", "content_refs")
+    __slots__ = ("key", "tokens", "blocks", "first_block", "parent", "children", "start", "hits", "pinned",
+                 "uid", "exact", "content_refs", "alive")
 
-    def __init__(self, key, tokens: tuple, kv, parent, start: int, uid: int, exact: bool = True):
+    def __init__(self, key, tokens: tuple, blocks: list[int], first_block: int, parent, start: int, uid: int,
+                 exact: bool = True):
         self.key = key                  # prefix key of the whole root path up to this node's end
         self.tokens = tokens
-        self.kv = kv                    # [2, layers, kv_heads, n, head_dim]; None for the root
+        self.blocks = blocks            # pool blocks (one reference held per entry)
+        self.first_block = first_block
+        self.alive = True
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.start = start              # absolute position of tokens[0]
@@ -32,21 +36,25 @@ class Node:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+def blocks_for(start: int, end: int, block_tokens: int) -> range:
+    """Block indices touched by positions [start, end)."""
+    return range(start // block_tokens, (end - 1) // block_tokens + 1) if end > start else range(0)
 
 
 @dataclass(slots=True)
 class KVSpan:
     """Cached KV for prompt positions [start, start + length), taken from source positions
-    [source_start, ...). `pieces` are (node kv, offset in node, count) in order."""
+    [source_start, ...). `pieces` are (node, offset in node, count) in order; `table` maps block
+    indices to blocks (None where not covered) and holds one pool reference per entry, which
+    the caller gives back once it has read or mapped the KV."""
 
     start: int
     length: int
     source_start: int
     exact: bool
-    pieces: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    pieces: list[tuple["Node", int, int]] = field(default_factory=list)
+    table: list = field(default_factory=list)
 
 
 def common_prefix(node_tokens: tuple, tokens: list[int], offset: int) -> int:
@@ -64,7 +72,7 @@ def common_prefix(node_tokens: tuple, tokens: list[int], offset: int) -> int:
 def walk_forward(node: Node, offset: int, tokens: list[int], start: int, stop: int) -> tuple[int, list, bool]:
     """Follow the tree from (node, offset) while it agrees with tokens[start:stop].
 
-    Returns (matched count, pieces [(kv, node offset, count)], all nodes exact).
+    Returns (matched count, pieces [(node, node offset, count)], all nodes exact).
     """
     matched, pieces, exact = 0, [], True
     while start + matched < stop:
@@ -77,7 +85,7 @@ def walk_forward(node: Node, offset: int, tokens: list[int], start: int, stop: i
         used = common_prefix(avail, tokens, start + matched)
         if used == 0:
             break
-        pieces.append((node.kv, offset, used))
+        pieces.append((node, offset, used))
         exact = exact and node.exact
         matched += used
         offset += used

@@ -1,82 +1,99 @@
-"""The radix chunk cache on its own, with fake KV tensors (no model)."""
+"""The radix chunk cache over a block pool, with fake KV (no model)."""
 import pytest
 import torch
 
+from kvboost_engine.arch import KVGeometry
 from kvboost_engine.cache import ChunkCache
 from kvboost_engine.errors import BudgetError
+from kvboost_engine.pool import BlockPool
 
-LAYERS, HEADS, DIM = 2, 1, 2
-BYTES_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4
-
-
-def kv_of(tokens):
-    """Fake KV whose values encode (token, position), so misplaced data is detectable."""
-    def kv_slice(start, end):
-        t = torch.tensor(tokens[start:end], dtype=torch.float32)
-        pos = torch.arange(start, end, dtype=torch.float32)
-        return (t * 1000 + pos).view(1, 1, 1, -1, 1).expand(2, LAYERS, HEADS, -1, DIM).clone()
-    return kv_slice
+GEOMETRY = KVGeometry(num_layers=2, kv_heads=1, head_dim=2, dtype=torch.float32)
+BYTES_PER_TOKEN = GEOMETRY.bytes_per_token
+BLOCK = 4
 
 
-def matched(spans):
-    return sum(span.length for span in spans)
+def fake_kv(tokens, start, end):
+    """KV whose values encode (token, position), so misplaced data is detectable."""
+    t = torch.tensor(tokens[start:end], dtype=torch.float32)
+    pos = torch.arange(start, end, dtype=torch.float32)
+    return (t * 1000 + pos).view(1, 1, 1, -1, 1).expand(2, 2, 1, -1, 2).clone()
 
 
-def assert_spans_match(spans, tokens):
-    for span in spans:
-        position = span.start
-        for kv, offset, count in span.pieces:
-            expect = kv_of(tokens)(position, position + count)
-            assert torch.equal(kv[:, :, :, offset:offset + count], expect)
-            position += count
+class Source:
+    """A finished request holding KV for `tokens` (copied into new blocks when cached)."""
+
+    allocates = True
+
+    def __init__(self, pool, tokens):
+        self.pool, self.tokens = pool, tokens
+
+    def cache_blocks(self, first_index, end):
+        blocks = self.pool.allocate(-(-end // BLOCK) - first_index)
+        self.pool.write([None] * first_index + blocks, first_index * BLOCK,
+                        fake_kv(self.tokens, first_index * BLOCK, end))
+        return blocks
 
 
-def make_cache(budget_tokens=1000):
-    return ChunkCache(b"fp" * 8, budget_tokens * BYTES_PER_TOKEN, BYTES_PER_TOKEN)
+def make_cache(budget_tokens=1000, pool_tokens=None):
+    pool = BlockPool(GEOMETRY, (pool_tokens or budget_tokens * 2) * BYTES_PER_TOKEN, "cpu", block_tokens=BLOCK)
+    return ChunkCache(b"fp" * 8, budget_tokens * BYTES_PER_TOKEN, pool)
+
+
+def insert(cache, tokens, ends, upto=None, **kw):
+    return cache.insert(tokens, ends, upto or len(tokens), Source(cache.pool, tokens), **kw)
+
+
+def matched(cache, tokens, limit=None):
+    """Matched length, checking that the block table really holds those tokens' KV."""
+    match = cache.match(tokens, len(tokens) if limit is None else limit)
+    try:
+        if match.length:
+            got = cache.pool.read(match.table, 0, match.length)
+            assert torch.equal(got, fake_kv(tokens, 0, match.length))
+    finally:
+        cache.release(match.table)
+    return match.length
 
 
 def test_exact_prefix_and_token_level_partial_match():
     cache = make_cache()
     a = list(range(100, 140))
-    cache.insert(a, [10, 25, 40], 40, kv_of(a))
-    assert matched(cache.match(a)) == 40
-    b = a[:17] + [1, 2, 3]                 # diverges inside the second chunk
-    m = cache.match(b)
-    assert matched(m) == 17
-    assert_spans_match(m, b)
-    cache.insert(b, [17, 20], 20, kv_of(b))  # splits the chunk at 17
+    insert(cache, a, [10, 25, 40])
+    assert matched(cache, a) == 40
+    b = a[:17] + [1, 2, 3]                 # diverges inside the second chunk and inside a block
+    assert matched(cache, b) == 17
+    insert(cache, b, [17, 20])             # splits the chunk at 17
     cache.check_invariants()
-    assert matched(cache.match(a)) == 40 and matched(cache.match(b)) == 20
-    assert_spans_match(cache.match(a), a)
-    assert_spans_match(cache.match(b), b)
+    assert matched(cache, a) == 40 and matched(cache, b) == 20
 
 
 def test_limit_and_miss():
     cache = make_cache()
     a = list(range(10))
-    cache.insert(a, [10], 10, kv_of(a))
-    assert matched(cache.match(a, limit=9)) == 9
-    assert matched(cache.match([5, 6])) == 0
+    insert(cache, a, [10])
+    assert matched(cache, a, 9) == 9
+    assert matched(cache, [5, 6]) == 0
     s = cache.stats()
     assert s["hits"] == 1 and s["misses"] == 1
 
 
 def test_budget_never_exceeded_and_lru_leaves_evicted():
-    cache = make_cache(budget_tokens=50)
+    cache = make_cache(budget_tokens=52)
     seqs = [[i] * 20 + list(range(1000 * i, 1000 * i + 10)) for i in range(1, 6)]
     for s in seqs:
-        cache.insert(s, [20, 30], 30, kv_of(s))
+        insert(cache, s, [20, 30])
         cache.check_invariants()
         assert cache.bytes_used <= cache.budget_bytes
     assert cache.stats()["evictions"] > 0
-    assert matched(cache.match(seqs[-1])) == 30           # most recent survives
-    assert matched(cache.match(seqs[0])) == 0              # oldest went
+    assert matched(cache, seqs[-1]) == 30          # most recent survives
+    assert matched(cache, seqs[0]) == 0            # oldest went
+    cache.check_invariants()
 
 
 def test_over_budget_insert_stores_prefix_only():
-    cache = make_cache(budget_tokens=25)
+    cache = make_cache(budget_tokens=24)
     s = list(range(60))
-    stored = cache.insert(s, [10, 20, 30, 40, 50, 60], 60, kv_of(s))
+    stored = insert(cache, s, [12, 20, 32, 40, 52, 60])
     assert stored == 20
     assert cache.stats()["dropped_tokens"] == 40
     cache.check_invariants()
@@ -85,29 +102,48 @@ def test_over_budget_insert_stores_prefix_only():
 def test_pinned_chunks_survive_and_overpin_raises():
     cache = make_cache(budget_tokens=40)
     system = list(range(500, 520))
-    cache.insert(system, [20], 20, kv_of(system), pin=True)
+    insert(cache, system, [20], pin=True)
     for i in range(5):
-        s = [i + 1] * 30
-        cache.insert(s, [30], 30, kv_of(s))
+        insert(cache, [i + 1] * 16, [16])
         cache.check_invariants()
-    assert matched(cache.match(system)) == 20
+    assert matched(cache, system) == 20
     with pytest.raises(BudgetError, match="cache_bytes"):
-        big = list(range(2000, 2030))
-        cache.insert(big, [30], 30, kv_of(big), pin=True)
+        insert(cache, list(range(2000, 2032)), [32], pin=True)
 
 
 def test_zero_budget_stores_nothing():
-    cache = ChunkCache(b"x" * 16, 0, BYTES_PER_TOKEN)
+    cache = make_cache(budget_tokens=0, pool_tokens=64)
     s = list(range(10))
-    assert cache.insert(s, [10], 10, kv_of(s)) == 0
-    assert matched(cache.match(s)) == 0
+    assert insert(cache, s, [10]) == 0
+    assert matched(cache, s) == 0
 
 
 def test_prefix_keys_do_not_depend_on_chunk_boundaries():
     c1, c2 = make_cache(), make_cache()
     s = list(range(30))
-    c1.insert(s, [10, 30], 30, kv_of(s))
-    c2.insert(s, [30], 30, kv_of(s))
+    insert(c1, s, [10, 30])
+    insert(c2, s, [30])
     leaf1 = [n for n in c1._lru.values() if not n.children][0]
     leaf2 = [n for n in c2._lru.values() if not n.children][0]
     assert leaf1.key == leaf2.key
+
+
+def test_make_room_evicts_cached_blocks_for_running_sequences():
+    cache = make_cache(budget_tokens=64, pool_tokens=64)
+    insert(cache, list(range(64)), [32, 64])
+    assert cache.pool.free_blocks() == 0
+    cache.make_room(4)
+    assert cache.pool.free_blocks() >= 4
+    cache.check_invariants()
+
+
+def test_matched_blocks_are_held_until_released():
+    cache = make_cache(budget_tokens=32, pool_tokens=32)
+    a = list(range(32))
+    insert(cache, a, [32])
+    match = cache.match(a, 32)
+    cache.make_room(8)                     # evicts the node, but the match still holds the blocks
+    assert cache.pool.free_blocks() == 0
+    assert torch.equal(cache.pool.read(match.table, 0, 32), fake_kv(a, 0, 32))
+    cache.release(match.table)
+    assert cache.pool.free_blocks() == 8

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from kvboost_engine import Engine
-from kvboost_engine.cache import ChunkCache
-from test_cache import BYTES_PER_TOKEN, kv_of
+from test_cache import fake_kv, insert, make_cache
 
 TOPICS = ["volcanoes", "honey bees", "Roman aqueducts", "tidal energy", "the Mongolian steppe", "glass blowing"]
 
@@ -36,34 +35,36 @@ def document_tokens(engine, order):
 
 # ---- cache level ---------------------------------------------------------------------------
 def test_content_hit_grows_over_the_seam_and_reports_source_positions():
-    cache = ChunkCache(b"f" * 16, 10_000 * BYTES_PER_TOKEN, BYTES_PER_TOKEN)
+    cache = make_cache(10_000)
     doc = list(range(500, 540))
     first = [1, 2, 3] + doc + [9]
-    cache.insert(first, [3, 20, 43, 44], 44, kv_of(first), chunk_kinds=["glue", "document", "document", "glue"])
+    insert(cache, first, [3, 20, 43, 44], chunk_kinds=["glue", "document", "document", "glue"])
     second = [7, 7, 7, 7, 7] + doc + [8, 8]
     # the new prompt's first doc chunk is not aligned with the stored one: growth must cover it
     spans = cache.match_moved(second, [4, 22, 45, 47], ["glue", "document", "document", "glue"], 0, 46)
     assert len(spans) == 1
     span = spans[0]
     assert (span.start, span.length, span.source_start) == (5, 40, 3)
-    assert not span.exact or span.start != span.source_start
-    got = torch.cat([kv[:, :, :, off:off + cnt] for kv, off, cnt in span.pieces], dim=3)
-    assert torch.equal(got, kv_of(first)(3, 43))
+    got = cache.pool.read(span.table, span.source_start, span.length)
+    cache.release(span.table)
+    assert torch.equal(got, fake_kv(first, 3, 43))
 
 
 def test_content_index_survives_splits_and_eviction():
-    cache = ChunkCache(b"f" * 16, 120 * BYTES_PER_TOKEN, BYTES_PER_TOKEN)
+    cache = make_cache(120)
     doc = list(range(500, 540))
     a = [1] + doc
-    cache.insert(a, [1, 41], 41, kv_of(a), chunk_kinds=["glue", "document"])
+    insert(cache, a, [1, 41], chunk_kinds=["glue", "document"])
     b = [1] + doc[:10] + [3, 3, 3]                  # splits the document node
-    cache.insert(b, [1, 14], 14, kv_of(b), chunk_kinds=["glue", "text"])
+    insert(cache, b, [1, 14], chunk_kinds=["glue", "text"])
     cache.check_invariants()
     spans = cache.match_moved([5, 5] + doc, [2, 42], ["glue", "document"], 0, 42)
     assert [(s.start, s.length, s.source_start) for s in spans] == [(2, 40, 1)]
+    for span in spans:
+        cache.release(span.table)
     for i in range(4):                               # pressure: the old entries go
         c = [50 + i] * 40
-        cache.insert(c, [40], 40, kv_of(c), chunk_kinds=["text"])
+        insert(cache, c, [40], chunk_kinds=["text"])
         cache.check_invariants()
     assert cache.match_moved([5, 5] + doc, [2, 42], ["glue", "document"], 0, 42) == []
 
