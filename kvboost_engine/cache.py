@@ -446,7 +446,7 @@ class ChunkCache:
             stats = {
                 "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "hit_tokens": c.hit_tokens,
                 "moved_hits": c.moved_hits, "moved_tokens": c.moved_tokens,
-                "disk_hits": c.disk_hits, "disk_tokens": c.disk_tokens,
+                "disk_restored_chunks": c.disk_hits, "disk_restored_tokens": c.disk_tokens,
                 "inserted_tokens": c.inserted_tokens, "dropped_tokens": c.dropped_tokens,
                 "evictions": c.evictions, "evicted_bytes": c.evicted_bytes,
                 "bytes_used": self.bytes_used, "budget_bytes": self.budget_bytes,

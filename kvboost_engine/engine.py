@@ -181,11 +181,24 @@ class Engine:
         return match.length
 
     def stats(self) -> dict:
-        """Cache hits, misses, bytes used, evictions, request counters; for AWQ models also the
-        kernel, weight bytes and (when streaming) bytes streamed, prefetch hit rate, peak RSS."""
+        """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters; for
+        AWQ models also the kernel, weight bytes and (when streaming) bytes streamed, prefetch hit
+        rate, peak RSS."""
         with self._counter_lock:
             counters = dict(self._counters)
-        return {**self.cache.stats(), **counters, **_weight_stats(self.model)}
+        disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
+        return {**self.cache.stats(), **disk, **counters, **_weight_stats(self.model)}
+
+    def close(self) -> None:
+        """Finish pending disk writes (call before exit when a disk tier is configured)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _weight_stats(model) -> dict:

@@ -1,0 +1,132 @@
+"""Paged KV: identical output to the contiguous path, shared blocks, hard budgets, disk tier, spill."""
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvboost_engine import BudgetError, Engine
+from test_engine_exact import QUESTIONS, SYSTEM
+from tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chat_replay(engine, turns=8, max_new_tokens=16):
+    messages = [{"role": "system", "content": SYSTEM}]
+    replies = []
+    for question in QUESTIONS[:turns]:
+        messages.append({"role": "user", "content": question})
+        g = engine.chat(messages, max_new_tokens=max_new_tokens)
+        replies.append(g.token_ids)
+        messages.append({"role": "assistant", "content": g.text})
+    return replies
+
+
+def test_paged_chat_is_token_identical_to_contiguous(smol):
+    model, tokenizer = smol
+    paged = Engine(model, tokenizer, paged=True)
+    contiguous = Engine(model, tokenizer, paged=False)
+    assert chat_replay(paged) == chat_replay(contiguous)
+    paged.cache.check_invariants()
+
+
+def test_paged_long_prompt_is_token_identical_to_contiguous(smol):
+    model, tokenizer = smol
+    text = " ".join(f"Line {i}: the value of item {i} is {i * 7 % 97}." for i in range(330))
+    paged = Engine(model, tokenizer, paged=True, cache_bytes=0)
+    contiguous = Engine(model, tokenizer, paged=False, cache_bytes=0)
+    a = paged.generate(text + "\nThe value of item 12 is", max_new_tokens=6)
+    assert a.prompt_tokens >= 4000
+    assert a.token_ids == contiguous.generate(text + "\nThe value of item 12 is", max_new_tokens=6).token_ids
+
+
+def test_concurrent_chats_share_the_system_prompt_blocks(smol):
+    model, tokenizer = smol
+    engine = Engine(model, tokenizer)
+    system = [{"role": "system", "content": SYSTEM}]
+    engine.warm(system)
+    prompt_blocks = engine.stats()["pool_blocks_used"]
+    streams = [engine.stream_chat(system + [{"role": "user", "content": f"Question {i}?"}], max_new_tokens=8)
+               for i in range(4)]
+    for stream in streams:
+        next(stream)                                      # every stream has its KV in place now
+    used = engine.stats()["pool_blocks_used"]
+    per_chat = -(-(8 + 30) // 16) + 1                     # own blocks: new tokens, reply, one copied block
+    assert used <= prompt_blocks + 4 * per_chat, (used, prompt_blocks)
+    assert used < 2 * prompt_blocks                       # the prompt's blocks are there once, not 4 times
+    for stream in streams:
+        stream.collect()
+    engine.cache.check_invariants()
+
+
+def test_request_over_budget_is_refused_before_work_and_running_ones_finish(smol):
+    model, tokenizer = smol
+    per_token = 46080
+    engine = Engine(model, tokenizer, cache_bytes=0, kv_pool_bytes=700 * per_token)
+    running = engine.stream("Tell me a long story about a dragon. " * 40, max_new_tokens=40)
+    first = next(running)
+    with pytest.raises(BudgetError, match="refused before any work.*needs"):
+        engine.generate("Another long request. " * 80, max_new_tokens=8)
+    rest = running.collect()
+    assert first and rest.completion_tokens == 40 or rest.finish_reason == "stop"
+    assert engine.stats()["pool_blocks_used"] == 0
+    assert engine.generate("Short.", max_new_tokens=2).completion_tokens >= 1
+
+
+def test_spill_runs_a_context_longer_than_the_pool_only_with_the_disk_tier(smol, tmp_path):
+    tokenizer = smol[1]
+    model = tiny_model("llama", max_position_embeddings=16384)
+    geometry_bytes = 2 * 2 * 2 * 16 * 4                  # layers * k/v * kv_heads * head_dim * fp32
+    prompt = "Numbers: " + " ".join(str(i) for i in range(3000))
+    reference = Engine(model, tokenizer, cache_bytes=0, paged=False).generate(prompt, max_new_tokens=5,
+                                                                              ignore_eos=True)
+    small = dict(cache_bytes=0, kv_pool_bytes=1024 * geometry_bytes)
+    with pytest.raises(BudgetError, match="needs"):
+        Engine(model, tokenizer, **small).generate(prompt, max_new_tokens=5)
+    spilled = Engine(model, tokenizer, disk_cache_dir=str(tmp_path), **small)
+    out = spilled.generate(prompt, max_new_tokens=5, ignore_eos=True)
+    assert out.prompt_tokens > 4 * 1024
+    assert out.token_ids == reference.token_ids
+    assert spilled.stats()["pool_peak_blocks_used"] > spilled.stats()["pool_ram_blocks"]
+
+
+RESTART_SCRIPT = """
+import sys, json, torch
+from kvboost_engine import Engine
+from kvboost_engine.loading import default_model_dir, load_model_and_tokenizer
+model, tokenizer = load_model_and_tokenizer(default_model_dir(), device=torch.device("cpu"), dtype=torch.float32)
+engine = Engine(model, tokenizer, disk_cache_dir=sys.argv[1])
+messages = [{"role": "system", "content": sys.argv[2]}, {"role": "user", "content": "Hi"}]
+g = engine.chat(messages, max_new_tokens=8)
+engine.close()
+print(json.dumps({"reused": g.reused_tokens, "prompt": g.prompt_tokens, "ids": g.token_ids,
+                  "disk_hits": engine.stats()["disk_restored_chunks"]}))
+"""
+
+
+def run_process(directory, system):
+    out = subprocess.run([sys.executable, "-c", RESTART_SCRIPT, str(directory), system], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_disk_tier_survives_restart_and_corrupt_files_are_never_served(tmp_path):
+    system = SYSTEM * 2
+    first = run_process(tmp_path, system)
+    assert first["reused"] == 0
+    second = run_process(tmp_path, system)
+    assert second["disk_hits"] > 0 and second["reused"] >= first["prompt"] - 12
+    assert second["ids"] == first["ids"]
+    for path in tmp_path.rglob("*.kv"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF                      # flip bytes in the middle of the payload
+        path.write_bytes(bytes(data))
+    third = run_process(tmp_path, system)
+    assert third["ids"] == first["ids"]
+    assert third["reused"] < second["reused"]
