@@ -34,7 +34,8 @@ class AttentionStep:
         window = self.layer_windows[layer]
         mask = self.masks[window]
         is_causal = mask is None and self.start == 0 and query.shape[2] > 1
-        out = self.kv.attend(layer, query, mask, is_causal, scaling, self.end, lambda: self._full_mask(window))
+        out = self.kv.attend(layer, query, mask, is_causal, scaling, self.end, lambda: self._full_mask(window),
+                             (self.start, self.end - 1), window)
         return out.transpose(1, 2)
 
     def _full_mask(self, window):
@@ -72,8 +73,10 @@ class ScatterStep:
             cached_k, cached_v = self.kv.gather(layer, self.positions)
             self.deviation = ((keys - cached_k) ** 2).sum((0, 1, 3)) + ((values - cached_v) ** 2).sum((0, 1, 3))
         self.kv.write_at(layer, keys, values, self.positions)
-        mask = self.masks[self.layer_windows[layer]]
-        out = self.kv.attend(layer, query, mask, False, scaling, self.end, lambda: mask)
+        window = self.layer_windows[layer]
+        mask = self.masks[window]
+        q_range = (int(self.positions[0]), int(self.positions[-1]))
+        out = self.kv.attend(layer, query, mask, False, scaling, self.end, lambda: mask, q_range, window)
         return out.transpose(1, 2)
 
 

@@ -26,7 +26,9 @@ from .hashing import PrefixHasher, token_bytes
 from .pool import BlockPool
 from .tree import KVSpan, Node, blocks_for, common_prefix, locate, walk_back, walk_forward
 
-CONTENT_KINDS = frozenset({"document", "text"})
+# Chunks of every kind of content are indexed by content (documents inside one system or user
+# string of an unmodified chain included); template glue and generated tokens are not.
+NOT_CONTENT = frozenset({"glue", "generated"})
 
 
 @dataclass(slots=True)
@@ -137,14 +139,14 @@ class ChunkCache:
 
     def match_moved(self, tokens: list[int], chunk_ends: list[int], chunk_kinds: list[str],
                     start: int, limit: int) -> list[KVSpan]:
-        """Cached KV for document/plain-text chunks of tokens[start:limit] found elsewhere."""
+        """Cached KV for content chunks of tokens[start:limit] found elsewhere in the tree."""
         spans: list[KVSpan] = []
         floor = start
         with self._lock:
             chunk_start = 0
             for end, kind in zip(chunk_ends, chunk_kinds):
                 begin, chunk_start = chunk_start, end
-                if kind not in CONTENT_KINDS or begin < floor or end > limit:
+                if kind in NOT_CONTENT or end <= floor or end > limit:
                     continue
                 span = self._grow(tokens, begin, end, floor, limit)
                 if span is not None:
@@ -163,9 +165,18 @@ class ChunkCache:
         matched, _, _ = walk_forward(node, offset, tokens, begin, end)
         if matched != end - begin:                      # compare the tokens on every hit
             return None
-        node, offset, added = walk_back(node, offset, tokens, begin, floor)
-        first = begin - added
+        if begin < floor:
+            # The previous span already covers the chunk's head (tokens that happened to match
+            # past its seam): continue from where it ended.
+            _, covered, _ = walk_forward(node, offset, tokens, begin, floor)
+            last, last_offset, last_count = covered[-1]
+            node, offset, first = last, last_offset + last_count, floor
+        else:
+            node, offset, added = walk_back(node, offset, tokens, begin, floor)
+            first = begin - added
         length, pieces, exact = walk_forward(node, offset, tokens, first, limit)
+        if length == 0:
+            return None
         for piece_node, _, _ in pieces:
             self._touch(piece_node)
         return KVSpan(first, length, node.start + offset, exact, pieces)
@@ -181,7 +192,8 @@ class ChunkCache:
         returns blocks for block indices first.. holding that KV, one reference each).
 
         New tokens are stored in pieces cut at `chunk_ends` (and at `exact_upto`: KV from there
-        on is marked inexact). Chunks whose kind is document/text are indexed by content.
+        on is marked inexact). Content chunks (not template glue or generated text) are indexed
+        by content.
         Returns how many new tokens were stored.
         """
         if self.budget_bytes == 0 or upto <= 0:
@@ -311,7 +323,7 @@ class ChunkCache:
         begin = 0
         for end, kind in zip(chunk_ends, chunk_kinds):
             chunk_begin, begin = begin, end
-            if kind not in CONTENT_KINDS or end > (path[-1].end if path else 0):
+            if kind in NOT_CONTENT or end > (path[-1].end if path else 0):
                 continue
             where = locate(path, chunk_begin)
             key = self.content_key(tokens[chunk_begin:end])

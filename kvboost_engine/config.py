@@ -26,6 +26,8 @@ class EngineConfig:
         of each moved span); "none" re-rotates only; "full" recomputes them all (no moved reuse).
     paged: keep each request's KV as a block table over a shared pool (default on CPU): cached
         prefixes are mapped without copying. False: one contiguous buffer per request.
+    prefill_chunk_tokens: longest run of new prompt tokens computed in one forward (bounds
+        activation memory; other requests' decode steps interleave between runs).
     block_tokens: positions per pool block.
     kv_pool_bytes: RAM for all KV, cached chunks and running requests together (default:
         cache_bytes plus two requests at the full context window). A request that cannot get
@@ -43,6 +45,7 @@ class EngineConfig:
     recompute_head_tokens: int = 4
     check_layer: int = 1
     paged: bool | None = None
+    prefill_chunk_tokens: int = 1024
     block_tokens: int = 16
     kv_pool_bytes: int | None = None
     disk_cache_dir: str | None = None
@@ -61,6 +64,8 @@ class EngineConfig:
             raise InputError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
         if self.recompute_head_tokens < 0 or self.check_layer < 0:
             raise InputError("recompute_head_tokens and check_layer must be >= 0")
+        if self.prefill_chunk_tokens < 1:
+            raise InputError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens!r}")
         if self.block_tokens < 1:
             raise InputError(f"block_tokens must be >= 1, got {self.block_tokens!r}")
         if self.kv_pool_bytes is not None and self.kv_pool_bytes < 0:

@@ -44,7 +44,8 @@ class SequenceKV:
         """K and V of positions 0..end: `[1, kv_heads, end, head_dim]` each, views."""
         return self.data[0, layer, :, :, :end], self.data[1, layer, :, :, :end]
 
-    def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask=None):
+    def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask=None,
+               q_range=None, window=None):
         keys, values = self.view(layer, end)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                               scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])

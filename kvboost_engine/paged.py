@@ -107,20 +107,26 @@ class PagedSequence:
         slots = self.slots()[positions]
         return self.pool.ram[0, layer, :, slots][None], self.pool.ram[1, layer, :, slots][None]
 
-    def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask):
-        # query [1, H, N, D] -> [1, H, N, D]
+    def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask,
+               q_range: tuple[int, int] = (0, 0), window: int | None = None):
+        # query [1, H, N, D] at positions within q_range (inclusive) -> [1, H, N, D]
         runs = self.runs(end)
         if len(runs) == 1:
             tensor, slot, _, n = runs[0]
             keys, values = tensor[0, layer, :, slot:slot + n][None], tensor[1, layer, :, slot:slot + n][None]
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                                   scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
-        full = explicit_mask()
+        full = None
         parts = []
         for tensor, slot, pos, n in runs:
-            run_mask = None if full is None else full[:, pos:pos + n]
-            if run_mask is not None and not bool(run_mask.any()):
-                continue
+            if pos > q_range[1]:
+                continue                                    # entirely after every query
+            run_mask = None
+            if window is not None or pos + n - 1 > q_range[0]:
+                full = explicit_mask() if full is None else full
+                run_mask = None if full is None else full[:, pos:pos + n]
+                if run_mask is not None and not bool(run_mask.any()):
+                    continue
             keys, values = tensor[0, layer, :, slot:slot + n][None], tensor[1, layer, :, slot:slot + n][None]
             parts.append(attend_with_lse(query, keys, values, run_mask, scaling))
         return merge_by_lse(parts)

@@ -127,12 +127,23 @@ def _compute(parts: PrefillParts, prompt: TokenizedPrompt, sequence, match: Matc
     exact_upto = next((s.start for s in match.spans if not s.exact), moved[0].start if moved else n)
     reused_moved = prefix_len - reused_exact + sum(s.length for s in moved)
     recomputed = 0
-    with parts.compute_lock:
-        if not moved:
-            logits = parts.forward(sequence, prompt.token_ids[prefix_len:], prefix_len)
-        else:
+    if not moved:
+        logits = _chunked(parts, sequence, prompt.token_ids, prefix_len)
+    else:
+        with parts.compute_lock:
             logits, recomputed = _repair(parts, prompt, sequence, prefix_len, moved)
     return Prefilled(sequence, logits, reused_exact, reused_moved, recomputed, exact_upto)
+
+
+def _chunked(parts: PrefillParts, sequence, token_ids: list[int], start: int) -> torch.Tensor:
+    """Compute token_ids[start:] in pieces of prefill_chunk_tokens (bounded activation and mask
+    memory; other requests' decode steps can run between pieces)."""
+    chunk = parts.config.prefill_chunk_tokens
+    logits = None
+    for begin in range(start, len(token_ids), chunk):
+        with parts.compute_lock:
+            logits = parts.forward(sequence, token_ids[begin:begin + chunk], begin)
+    return logits
 
 
 def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv, prefix_len: int,

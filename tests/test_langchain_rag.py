@@ -153,8 +153,6 @@ def test_block_chain_reuses_documents_that_come_back_in_the_same_order(smol, ret
     assert again.response_metadata["reused_exact"] - prefix >= 0.8 * document_tokens
 
 
-@pytest.mark.needs_moved_reuse
-@pytest.mark.xfail(strict=False, reason="needs moved reuse (issue 3)")
 def test_block_chain_reuses_80_percent_of_document_tokens(smol, retriever, retrieved, block_chain_runs):
     warm, _ = block_chain_runs
     engine = _engine(smol, 0)
@@ -187,8 +185,6 @@ def test_unmodified_retrieval_chain_runs_and_reports_metadata(unmodified_chain_r
     assert all(m["prompt_tokens"] > 150 and m["reused_tokens"] <= m["prompt_tokens"] for m in metadata)
 
 
-@pytest.mark.needs_moved_reuse
-@pytest.mark.xfail(strict=False, reason="needs moved reuse (issue 3)")
 def test_unmodified_retrieval_chain_reuses_60_percent_of_document_tokens(unmodified_chain_runs, retrieved):
     engine, _, metadata = unmodified_chain_runs
     tokenizer = engine.tokenizer

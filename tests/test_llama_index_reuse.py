@@ -42,8 +42,6 @@ def test_source_order_reuses_overlapping_nodes_exactly(index, engine):
     assert per_question[1][0] == per_question[1][1]          # same nodes, other ranking: all reused
 
 
-@pytest.mark.needs_moved_reuse
-@pytest.mark.xfail(strict=False, reason="needs moved reuse (issue 3)")
 def test_node_aligned_synthesizer_reuses_80_percent_of_node_tokens(index, engine):
     llm = KVBoost(engine=engine, max_new_tokens=2)
     share, per_question = synthesizer_node_reuse(as_query_engine(index, llm, similarity_top_k=TOP_K))
@@ -51,8 +49,6 @@ def test_node_aligned_synthesizer_reuses_80_percent_of_node_tokens(index, engine
     assert share >= 0.8, per_question
 
 
-@pytest.mark.needs_moved_reuse
-@pytest.mark.xfail(strict=False, reason="needs moved reuse (issue 3)")
 def test_stock_synthesizer_reuses_60_percent_of_node_tokens(index, engine):
     llm = KVBoost(engine=engine, max_new_tokens=2)
     query_engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K)

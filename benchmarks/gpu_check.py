@@ -1,0 +1,167 @@
+"""One prepared check on a CUDA machine: the engine's GPU paths, exactness and speed.
+
+Uses a random Llama-shaped model (no download) in bfloat16 on the GPU and the default
+model's tokenizer (`--tokenizer DIR`). Prints one JSON object:
+  exactness   cache on vs off (greedy, 4-turn chat): identical tokens; max |logit diff|
+  paged       paged KV on CUDA (multi-run attention, manual LSE path) vs contiguous: identical tokens
+  moved       blend with recompute_ratio=1.0 equals no cache; blend/none telemetry
+  rope        RoPE re-rotation on CUDA tensors vs the model's rotary (max error)
+  attention   which SDPA kernels torch reports, whether flash-attn is importable
+  speed       TTFT cold vs warm at turn 4; decode tok/s of engine.chat vs model.generate
+
+    python -m benchmarks.gpu_check --tokenizer DIR [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from kvboost_engine import Engine
+from kvboost_engine.arch import ModelAdapter
+from kvboost_engine.rope import RopeMover
+
+QUESTIONS = ["Tell me about the first topic.", "And the second one?", "Compare them.", "Summarise briefly."]
+SYSTEM = "You are a careful assistant that answers in detail about scientific instruments. " * 20
+
+
+def build_model(device: str):
+    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=4, vocab_size=49152,
+                                  max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+
+
+def replay(engine: Engine, max_new_tokens: int = 16) -> list:
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        logits = engine.next_token_logits(messages=messages)
+        g = engine.chat(messages, max_new_tokens=max_new_tokens, ignore_eos=True)
+        out.append((g, logits))
+        messages.append({"role": "assistant", "content": g.text})
+    return out
+
+
+def check_exactness(model, tokenizer) -> dict:
+    warm, cold = replay(Engine(model, tokenizer)), replay(Engine(model, tokenizer, cache_bytes=0))
+    return {"identical_tokens": all(w.token_ids == c.token_ids for (w, _), (c, _) in zip(warm, cold)),
+            "max_logit_diff": max(float((lw - lc).abs().max()) for (_, lw), (_, lc) in zip(warm, cold)),
+            "reused_per_turn": [w.reused_tokens for w, _ in warm], "prompt_per_turn": [w.prompt_tokens for w, _ in warm]}
+
+
+def check_paged(model, tokenizer) -> dict:
+    paged, contiguous = replay(Engine(model, tokenizer, paged=True)), replay(Engine(model, tokenizer, paged=False))
+    return {"identical_tokens": all(p.token_ids == c.token_ids for (p, _), (c, _) in zip(paged, contiguous)),
+            "max_logit_diff": max(float((lp - lc).abs().max()) for (_, lp), (_, lc) in zip(paged, contiguous))}
+
+
+def check_moved(model, tokenizer) -> dict:
+    docs = [f"Document {i}: " + " ".join(f"fact {i}.{j} is {i * j}." for j in range(30)) for i in range(5)]
+
+    def messages(order):
+        parts = [{"type": "document", "text": docs[i]} for i in order] + [{"type": "text", "text": "Which fact?"}]
+        return [{"role": "user", "content": parts}]
+
+    cold = Engine(model, tokenizer, cache_bytes=0)
+    out = {}
+    for name, options in {"full_ratio": dict(recompute_ratio=1.0), "blend": {}, "none": dict(moved_reuse="none")}.items():
+        engine = Engine(model, tokenizer, **options)
+        engine.chat(messages(range(5)), max_new_tokens=1)
+        g = engine.chat(messages([3, 1, 4, 0, 2]), max_new_tokens=1)
+        logits = engine.next_token_logits(messages=messages([3, 1, 4, 0, 2]))
+        out[name] = {"reused_moved": g.reused_moved, "recomputed": g.recomputed, "prompt": g.prompt_tokens,
+                     "max_logit_diff_vs_no_cache": float((logits - cold.next_token_logits(messages=messages([3, 1, 4, 0, 2]))).abs().max())}
+    return out
+
+
+def check_rope(model) -> dict:
+    adapter = ModelAdapter(model)
+    mover = RopeMover(adapter)
+    keys = torch.randn(1, 4, 64, adapter.geometry.head_dim, device=model.device, dtype=torch.float32)
+    apply = sys.modules[type(model).__module__].apply_rotary_pos_emb
+
+    def at(start):
+        cos, sin = model.model.rotary_emb(keys, torch.arange(start, start + 64, device=model.device)[None])
+        return apply(keys, keys, cos.float(), sin.float())[1]
+
+    moved = mover.move(at(10).clone(), 10, 5000)
+    return {"max_abs_error": float((moved - at(5000)).abs().max())}
+
+
+def check_attention() -> dict:
+    try:
+        import flash_attn  # noqa: F401
+        flash = True
+    except ImportError:
+        flash = False
+    b = torch.backends.cuda
+    return {"flash_attn_importable": flash, "sdpa_flash": b.flash_sdp_enabled(), "sdpa_mem_efficient": b.mem_efficient_sdp_enabled(),
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+
+def timed(fn, repeats=5):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def check_speed(model, tokenizer) -> dict:
+    warm, cold = Engine(model, tokenizer), Engine(model, tokenizer, cache_bytes=0)
+    messages = [{"role": "system", "content": SYSTEM * 4}]
+    for question in QUESTIONS[:3]:
+        messages += [{"role": "user", "content": question}]
+        reply = warm.chat(messages, max_new_tokens=16, ignore_eos=True)
+        messages += [{"role": "assistant", "content": reply.text}]
+    messages += [{"role": "user", "content": QUESTIONS[3]}]
+    warm_ttft = warm.chat(messages, max_new_tokens=1).ttft_s          # first sight of turn 4's prompt
+    cold_ttft = statistics.median(cold.chat(messages, max_new_tokens=1).ttft_s for _ in range(5))
+    ids = torch.tensor([cold.encode_messages(messages).token_ids], device=model.device)
+
+    def hf(n):
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    hf_decode = timed(lambda: hf(128), 3) - timed(lambda: hf(1), 3)
+    runs = [cold.chat(messages, max_new_tokens=128, ignore_eos=True) for _ in range(4)][1:]
+    ours = statistics.median(g.total_s - g.ttft_s for g in runs)
+    return {"prompt_tokens": len(ids[0]), "cold_ttft_s": cold_ttft, "warm_ttft_s": warm_ttft,
+            "transformers_decode_tok_s": 127 / hf_decode, "engine_decode_tok_s": 127 / ours}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = build_model("cuda")
+    result = {"attention": check_attention()}
+    for name, fn in (("exactness", lambda: check_exactness(model, tokenizer)), ("paged", lambda: check_paged(model, tokenizer)),
+                     ("moved", lambda: check_moved(model, tokenizer)), ("rope", lambda: check_rope(model)),
+                     ("speed", lambda: check_speed(model, tokenizer))):
+        try:
+            result[name] = fn()
+        except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
+            result[name] = {"error": f"{type(err).__name__}: {err}"}
+        print(name, json.dumps(result[name]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
