@@ -3,9 +3,8 @@
 - Exact lookup walks the tree by token ids from the root: token-exact prefix reuse, even
   inside a chunk (a partly matched node is split when the new prompt is stored). The result
   is a block table a paged sequence maps without copying.
-- Moved lookup finds chunks of documents / plain text by content key anywhere in the tree,
-  then grows each hit left and right token by token along the source path, so a document
-  reused at another position or order is found whole, seams included.
+- Moved lookup finds chunks of content by content key anywhere in the tree (content_index.py)
+  and grows each hit over its seams.
 - Nodes hold references on their blocks; at most `budget_bytes` of blocks are held by the
   cache (least recently used unpinned leaves go first), and cached blocks are given up when
   running sequences need the room. With a disk tier, new chunks are written through to disk
@@ -19,17 +18,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
+from .cache_disk import DiskRestore
+from .content_index import ContentIndex
 from .errors import BudgetError
-from .hashing import PrefixHasher, token_bytes
+from .hashing import PrefixHasher
 from .pool import BlockPool
-from .tree import KVSpan, Node, blocks_for, common_prefix, locate, walk_back, walk_forward
-
-# Chunks of every kind of content are indexed by content (documents inside one system or user
-# string of an unmodified chain included); template glue and generated tokens are not.
-NOT_CONTENT = frozenset({"glue", "generated"})
-
+from .tree import KVSpan, Node, blocks_for, common_prefix
 
 @dataclass(slots=True)
 class CacheStats:
@@ -59,7 +54,7 @@ class Match:
         return sum(span.length for span in self.spans)
 
 
-class ChunkCache:
+class ChunkCache(DiskRestore):
     """Thread-safe radix tree of KV chunks over a block pool."""
 
     def __init__(self, fingerprint: bytes, budget_bytes: int, pool: BlockPool, disk=None):
@@ -71,7 +66,7 @@ class ChunkCache:
         self._uids = itertools.count()
         self.root = Node(PrefixHasher(fingerprint).key(), (), [], 0, None, 0, next(self._uids))
         self._lru: OrderedDict[int, Node] = OrderedDict()   # uid -> node, oldest first
-        self._content: dict[bytes, tuple[Node, int]] = {}   # content key -> where that chunk starts
+        self.index = ContentIndex(fingerprint)
         self._node_refs = np.zeros(pool.total_blocks, dtype=np.int64)
         self._lock = threading.RLock()
         self.pinned_bytes = 0
@@ -80,9 +75,6 @@ class ChunkCache:
     @property
     def bytes_used(self) -> int:
         return int((self._node_refs > 0).sum()) * self.pool.block_bytes
-
-    def content_key(self, token_ids) -> bytes:
-        return xxhash.xxh3_128_digest(self.fingerprint + b"content" + token_bytes(token_ids))
 
     # ---- lookup -------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int, chunk_ends: list[int] = ()) -> Match:
@@ -139,47 +131,17 @@ class ChunkCache:
 
     def match_moved(self, tokens: list[int], chunk_ends: list[int], chunk_kinds: list[str],
                     start: int, limit: int) -> list[KVSpan]:
-        """Cached KV for content chunks of tokens[start:limit] found elsewhere in the tree."""
-        spans: list[KVSpan] = []
-        floor = start
+        """Cached KV for content chunks of tokens[start:limit] found elsewhere in the tree;
+        each span's `table` holds references for the caller."""
         with self._lock:
-            chunk_start = 0
-            for end, kind in zip(chunk_ends, chunk_kinds):
-                begin, chunk_start = chunk_start, end
-                if kind in NOT_CONTENT or end <= floor or end > limit:
-                    continue
-                span = self._grow(tokens, begin, end, floor, limit)
-                if span is not None:
-                    span.table = self._table_of([span], span.source_start, span.source_start + span.length)
-                    spans.append(span)
-                    floor = span.start + span.length
+            spans = self.index.spans(tokens, chunk_ends, chunk_kinds, start, limit)
+            for span in spans:
+                for node, _, _ in span.pieces:
+                    self._touch(node)
+                span.table = self._table_of([span], span.source_start, span.source_start + span.length)
             self.counters.moved_hits += len(spans)
             self.counters.moved_tokens += sum(s.length for s in spans)
         return spans
-
-    def _grow(self, tokens, begin: int, end: int, floor: int, limit: int) -> KVSpan | None:
-        found = self._content.get(self.content_key(tokens[begin:end]))
-        if found is None:
-            return None
-        node, offset = found
-        matched, _, _ = walk_forward(node, offset, tokens, begin, end)
-        if matched != end - begin:                      # compare the tokens on every hit
-            return None
-        if begin < floor:
-            # The previous span already covers the chunk's head (tokens that happened to match
-            # past its seam): continue from where it ended.
-            _, covered, _ = walk_forward(node, offset, tokens, begin, floor)
-            last, last_offset, last_count = covered[-1]
-            node, offset, first = last, last_offset + last_count, floor
-        else:
-            node, offset, added = walk_back(node, offset, tokens, begin, floor)
-            first = begin - added
-        length, pieces, exact = walk_forward(node, offset, tokens, first, limit)
-        if length == 0:
-            return None
-        for piece_node, _, _ in pieces:
-            self._touch(piece_node)
-        return KVSpan(first, length, node.start + offset, exact, pieces)
 
     def _touch(self, node: Node) -> None:
         node.hits += 1
@@ -212,7 +174,7 @@ class ChunkCache:
             self.counters.inserted_tokens += stored
             self.counters.dropped_tokens += (upto - offset) - stored
             if chunk_kinds is not None:
-                self._index_content(tokens, chunk_ends, chunk_kinds, path + created)
+                self.index.register(tokens, chunk_ends, chunk_kinds, path + created)
             if pin:
                 self._pin(path + created)
             if self.disk is not None:
@@ -257,17 +219,9 @@ class ChunkCache:
         node.parent = head
         head.children[node.tokens[0]] = node
         head.pinned, head.hits = node.pinned, node.hits
-        self._move_content_refs(node, head, at)
+        self.index.split(node, head, at)
         self._lru[head.uid] = head
         return head
-
-    def _move_content_refs(self, tail: Node, head: Node, at: int) -> None:
-        refs, tail.content_refs = tail.content_refs, []
-        for key, off in refs:
-            target, target_off = (head, off) if off < at else (tail, off - at)
-            target.content_refs.append((key, target_off))
-            if self._content.get(key, (None,))[0] is tail:
-                self._content[key] = (target, target_off)
 
     def _prefix_tokens(self, node: Node) -> list[int]:
         chain = []
@@ -319,20 +273,6 @@ class ChunkCache:
         np.subtract.at(self._node_refs, np.asarray(blocks, dtype=np.int64), 1)
         self.pool.release(blocks)
 
-    def _index_content(self, tokens, chunk_ends, chunk_kinds, path: list[Node]) -> None:
-        begin = 0
-        for end, kind in zip(chunk_ends, chunk_kinds):
-            chunk_begin, begin = begin, end
-            if kind in NOT_CONTENT or end > (path[-1].end if path else 0):
-                continue
-            where = locate(path, chunk_begin)
-            key = self.content_key(tokens[chunk_begin:end])
-            known = self._content.get(key)
-            if where is None or (known is not None and known[0].alive and (known[0].exact or not where[0].exact)):
-                continue
-            self._content[key] = where
-            where[0].content_refs.append((key, where[1]))
-
     # ---- budget -------------------------------------------------------------------------
     def _fit_budget(self, protected: set[int], created: list[Node]) -> None:
         """Evict old leaves until the cache holds at most its budget; if that is not enough,
@@ -364,9 +304,7 @@ class ChunkCache:
     def _remove(self, node: Node, evicted: bool = True) -> None:
         del node.parent.children[node.tokens[0]]
         del self._lru[node.uid]
-        for key, _ in node.content_refs:
-            if self._content.get(key, (None,))[0] is node:
-                del self._content[key]
+        self.index.remove(node)
         freed = len(node.blocks) * self.pool.block_bytes
         self._drop(node.blocks)
         node.blocks = []
@@ -394,63 +332,6 @@ class ChunkCache:
                 node.pinned = False
             self.pinned_bytes = 0
 
-    # ---- disk tier ----------------------------------------------------------------------
-    def _write_through(self, node: Node) -> None:
-        if not self.disk.contains(node.key):
-            kv = self.read(node, 0, len(node.tokens))
-            self.disk.put_async(node.key, node.start, node.tokens, kv, node.exact)
-
-    def read(self, node: Node, offset: int, count: int):
-        """KV of `count` of a node's positions from `offset`: [2, layers, kv_heads, count, D] (a copy)."""
-        table = [None] * node.first_block + node.blocks
-        return self.pool.read(table, node.start + offset, count)
-
-    def _restore_from_disk(self, tokens, limit, chunk_ends, path: list[Node], offset: int) -> None:
-        """Bring chunks back from disk, in order, for as long as they continue the matched path."""
-        hasher = PrefixHasher(self.fingerprint)
-        hasher.update(tokens[:offset])
-        cursor = offset
-        for end in (c for c in chunk_ends if offset < c <= limit):
-            hasher.update(tokens[cursor:end])
-            cursor = end
-            entry = self.disk.get(hasher.key())
-            if entry is None:
-                return
-            start, entry_tokens, kv, exact = entry
-            if start > offset or tuple(tokens[start:end]) != tuple(entry_tokens):
-                return
-            node = self._adopt_disk_entry(path, tokens, offset, end, kv[:, :, :, offset - start:], exact)
-            if node is None:
-                return
-            path.append(node)
-            self.counters.disk_hits += 1
-            self.counters.disk_tokens += end - offset
-            offset = end
-
-    def _adopt_disk_entry(self, path: list[Node], tokens, start: int, end: int, kv, exact: bool) -> Node | None:
-        parent = path[-1] if path else self.root
-        indices = blocks_for(start, end, self.block_tokens)
-        self.make_room(len(indices), {n.uid for n in path})
-        try:
-            blocks = self.pool.allocate(len(indices))
-        except BudgetError:
-            return None
-        table = [None] * indices.start + blocks
-        head = indices.start * self.block_tokens
-        if head < start:                                # the block also holds the path's earlier positions
-            self.pool.write(table, head, self.pool.read(self._path_table(path, head, start), head, start - head))
-        self.pool.write(table, start, kv)
-        self._hold(blocks)
-        self.pool.release(blocks)
-        key = PrefixHasher(self.fingerprint)
-        key.update(tokens[:end])
-        node = Node(key.key(), tuple(tokens[start:end]), blocks, indices.start, parent, start, next(self._uids),
-                    exact=exact and parent.exact)
-        parent.children[node.tokens[0]] = node
-        self._lru[node.uid] = node
-        self._fit_budget({n.uid for n in path} | {node.uid}, [])
-        return node
-
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
@@ -463,7 +344,7 @@ class ChunkCache:
                 "evictions": c.evictions, "evicted_bytes": c.evicted_bytes,
                 "bytes_used": self.bytes_used, "budget_bytes": self.budget_bytes,
                 "pinned_bytes": self.pinned_bytes, "nodes": len(self._lru),
-                "content_entries": len(self._content),
+                "content_entries": len(self.index),
             }
         return {**stats, **self.pool.stats()}
 
@@ -481,8 +362,7 @@ class ChunkCache:
             assert (refs == self._node_refs).all()
             assert (self.pool.refs >= self._node_refs).all()
             assert self.bytes_used <= self.budget_bytes
-            for key, (node, offset) in self._content.items():
-                assert node.alive and (key, offset) in node.content_refs
+            self.index.check()
 
 
 def _pieces(start: int, end: int, chunk_ends: list[int]) -> list[tuple[int, int]]:
