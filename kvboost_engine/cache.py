@@ -23,6 +23,7 @@ from .cache_disk import DiskRestore
 from .content_index import ContentIndex
 from .errors import BudgetError
 from .hashing import PrefixHasher
+from .kv_quant import FloatCodec
 from .pool import BlockPool
 from .tree import KVSpan, Node, blocks_for, common_prefix
 
@@ -57,11 +58,12 @@ class Match:
 class ChunkCache(DiskRestore):
     """Thread-safe radix tree of KV chunks over a block pool."""
 
-    def __init__(self, fingerprint: bytes, budget_bytes: int, pool: BlockPool, disk=None):
+    def __init__(self, fingerprint: bytes, budget_bytes: int, pool: BlockPool, disk=None, disk_codec=None):
         self.fingerprint = fingerprint
         self.budget_bytes = budget_bytes
         self.pool = pool
         self.disk = disk
+        self.disk_codec = disk_codec or FloatCodec()
         self.block_tokens = pool.block_tokens
         self._uids = itertools.count()
         self.root = Node(PrefixHasher(fingerprint).key(), (), [], 0, None, 0, next(self._uids))

@@ -15,7 +15,7 @@ from .tree import Node, blocks_for
 class DiskRestore:
     def _write_through(self, node: Node) -> None:
         if not self.disk.contains(node.key):
-            kv = self.read(node, 0, len(node.tokens))
+            kv = self.disk_codec.encode(self.read(node, 0, len(node.tokens)))
             self.disk.put_async(node.key, node.start, node.tokens, kv, node.exact)
 
     def read(self, node: Node, offset: int, count: int):
@@ -34,9 +34,11 @@ class DiskRestore:
             entry = self.disk.get(hasher.key())
             if entry is None:
                 return
-            start, entry_tokens, kv, exact = entry
+            start, entry_tokens, data, exact = entry
             if start > offset or tuple(tokens[start:end]) != tuple(entry_tokens):
                 return
+            kv = self.disk_codec.decode(data, len(entry_tokens))
+            exact = exact and self.disk_codec.exact
             node = self._adopt_disk_entry(path, tokens, offset, end, kv[:, :, :, offset - start:], exact)
             if node is None:
                 return

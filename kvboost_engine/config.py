@@ -35,6 +35,8 @@ class EngineConfig:
     disk_cache_dir / disk_cache_bytes: a disk tier: cached chunks are written there (checksummed,
         atomic), found again after eviction or a restart, and requests longer than the pool
         spill to a file there instead of being refused.
+    disk_kv_int8: store chunks on disk as int8 (per-channel keys, per-token values): about a
+        quarter of fp32 on disk and to read; chunks read back are approximations (inexact).
     """
 
     cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -50,6 +52,7 @@ class EngineConfig:
     kv_pool_bytes: int | None = None
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
+    disk_kv_int8: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:

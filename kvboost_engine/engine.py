@@ -8,6 +8,7 @@ import threading
 import weakref
 
 import torch
+import xxhash
 
 from .arch import ModelAdapter
 from .cache import ChunkCache
@@ -16,6 +17,7 @@ from .errors import InputError
 from .forward import Forward
 from .generation import Generation, GenerationStream
 from .hashing import model_fingerprint
+from .kv_quant import Int8Codec
 from .pool import BlockPool
 from .loading import load_model_and_tokenizer, resolve_model_dir
 from .prompt import ChatRenderer, segments_from_prompt
@@ -49,7 +51,9 @@ class Engine:
         if self.config.paged is None:
             self.config = dataclasses.replace(self.config, paged=adapter.device.type == "cpu")
         self.disk = _disk_tier(self.config, self.fingerprint)
-        self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, _pool(self.config, adapter), self.disk)
+        codec = Int8Codec(adapter.geometry) if self.config.disk_kv_int8 else None
+        self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, _pool(self.config, adapter), self.disk,
+                                codec)
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
         self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         prefill_parts = PrefillParts(adapter, Forward(adapter), self.cache, RopeMover(adapter), self.config,
@@ -225,6 +229,8 @@ def _disk_tier(config: EngineConfig, fingerprint: bytes):
     if not config.disk_cache_dir:
         return None
     from .disk import DiskTier
+    if config.disk_kv_int8:                         # int8 and float entries never mix
+        fingerprint = xxhash.xxh3_128_digest(fingerprint + b"int8")
     tier = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint)
     atexit.register(_flush_quietly, weakref.ref(tier))
     return tier
