@@ -31,12 +31,14 @@ QUESTIONS = ["Tell me about the first topic.", "And the second one?", "Compare t
 SYSTEM = "You are a careful assistant that answers in detail about scientific instruments. " * 20
 
 
-def build_model(device: str):
-    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
-                                  num_attention_heads=16, num_key_value_heads=4, vocab_size=49152,
-                                  max_position_embeddings=8192, tie_word_embeddings=True)
+def build_model(device: str, small: bool = False):
+    size = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2) if small else \
+        dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16)
+    config = AutoConfig.for_model("llama", num_attention_heads=16 if not small else 4, num_key_value_heads=4 if not small else 2,
+                                  vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True, **size)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
 def replay(engine: Engine, max_new_tokens: int = 16) -> list:
@@ -108,27 +110,41 @@ def check_attention() -> dict:
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats=5):
     fn()
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def check_speed(model, tokenizer) -> dict:
-    warm, cold = Engine(model, tokenizer), Engine(model, tokenizer, cache_bytes=0)
+def warm_turn4(model, tokenizer, **options):
+    """A fresh engine replays turns 1-3; returns (turn-4 messages, TTFT on first sight of turn 4)."""
+    warm = Engine(model, tokenizer, **options)
     messages = [{"role": "system", "content": SYSTEM * 4}]
     for question in QUESTIONS[:3]:
         messages += [{"role": "user", "content": question}]
         reply = warm.chat(messages, max_new_tokens=16, ignore_eos=True)
         messages += [{"role": "assistant", "content": reply.text}]
     messages += [{"role": "user", "content": QUESTIONS[3]}]
-    warm_ttft = warm.chat(messages, max_new_tokens=1).ttft_s          # first sight of turn 4's prompt
+    return messages, warm.chat(messages, max_new_tokens=1).ttft_s
+
+
+def check_speed(model, tokenizer) -> dict:
+    cold = Engine(model, tokenizer, cache_bytes=0)
+    samples = [warm_turn4(model, tokenizer) for _ in range(4)][1:]
+    messages = samples[0][0]
+    warm_ttft = statistics.median(t for _, t in samples)
+    paged_ttft = statistics.median(warm_turn4(model, tokenizer, paged=True)[1] for _ in range(3))
     cold_ttft = statistics.median(cold.chat(messages, max_new_tokens=1).ttft_s for _ in range(5))
     ids = torch.tensor([cold.encode_messages(messages).token_ids], device=model.device)
 
@@ -139,7 +155,7 @@ def check_speed(model, tokenizer) -> dict:
     hf_decode = timed(lambda: hf(128), 3) - timed(lambda: hf(1), 3)
     runs = [cold.chat(messages, max_new_tokens=128, ignore_eos=True) for _ in range(4)][1:]
     ours = statistics.median(g.total_s - g.ttft_s for g in runs)
-    return {"prompt_tokens": len(ids[0]), "cold_ttft_s": cold_ttft, "warm_ttft_s": warm_ttft,
+    return {"prompt_tokens": len(ids[0]), "cold_ttft_s": cold_ttft, "warm_ttft_s": warm_ttft, "warm_paged_ttft_s": paged_ttft,
             "transformers_decode_tok_s": 127 / hf_decode, "engine_decode_tok_s": 127 / ours}
 
 
@@ -147,10 +163,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a tiny model (to try the script on a CPU)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    model = build_model("cuda")
-    result = {"attention": check_attention()}
+    model = build_model(args.device, args.small)
+    result = {"attention": check_attention() if args.device == "cuda" else {}}
     for name, fn in (("exactness", lambda: check_exactness(model, tokenizer)), ("paged", lambda: check_paged(model, tokenizer)),
                      ("moved", lambda: check_moved(model, tokenizer)), ("rope", lambda: check_rope(model)),
                      ("speed", lambda: check_speed(model, tokenizer))):

@@ -52,20 +52,23 @@ class ScatterStep:
     """One forward over active tokens at arbitrary positions (moved-reuse repair).
 
     Fresh K/V of the active tokens overwrite the sequence's KV at their positions; every query
-    sees all keys up to its own position (cached, re-rotated or fresh). With `measure`, the
-    per-token deviation of fresh from cached K/V is recorded before overwriting.
+    sees all keys up to its own position (cached, re-rotated or fresh). Queries are attended in
+    pieces of QUERY_PIECE, each over keys up to its last position, so mask memory stays bounded.
+    With `measure`, the per-token deviation of fresh from cached K/V is recorded first.
     """
 
-    __slots__ = ("kv", "positions", "end", "masks", "layer_windows", "measure", "deviation")
+    QUERY_PIECE = 1024
+    __slots__ = ("kv", "positions", "end", "layer_windows", "measure", "deviation", "_masks")
 
-    def __init__(self, kv, positions: torch.Tensor, end: int, layer_windows: tuple, measure: bool):
+    def __init__(self, kv, positions: torch.Tensor, end: int, layer_windows: tuple, measure: bool,
+                 masks: dict | None = None):
         self.kv = kv
         self.positions = positions                      # [A] ascending absolute positions
         self.end = end
         self.layer_windows = layer_windows
         self.measure = measure
         self.deviation = None
-        self.masks = {w: explicit_mask(positions, end, w) for w in set(layer_windows)}
+        self._masks = {} if masks is None else masks    # shared by the layers of one forward
 
     def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
         # query [1, H, A, D]; keys/values [1, Hkv, A, D] -> output [1, A, H, D]
@@ -74,10 +77,20 @@ class ScatterStep:
             self.deviation = ((keys - cached_k) ** 2).sum((0, 1, 3)) + ((values - cached_v) ** 2).sum((0, 1, 3))
         self.kv.write_at(layer, keys, values, self.positions)
         window = self.layer_windows[layer]
-        mask = self.masks[window]
-        q_range = (int(self.positions[0]), int(self.positions[-1]))
-        out = self.kv.attend(layer, query, mask, False, scaling, self.end, lambda: mask, q_range, window)
-        return out.transpose(1, 2)
+        outs = []
+        for lo in range(0, len(self.positions), self.QUERY_PIECE):
+            piece = self.positions[lo:lo + self.QUERY_PIECE]
+            first, last = int(piece[0]), int(piece[-1])
+            mask = self._mask(lo, piece, window)
+            outs.append(self.kv.attend(layer, query[:, :, lo:lo + self.QUERY_PIECE], mask, False, scaling,
+                                       last + 1, lambda m=mask: m, (first, last), window))
+        return torch.cat(outs, dim=2).transpose(1, 2)
+
+    def _mask(self, lo: int, piece: torch.Tensor, window):
+        key = (lo, len(piece), int(piece[0]), window)
+        if key not in self._masks:
+            self._masks[key] = explicit_mask(piece, int(piece[-1]) + 1, window)
+        return self._masks[key]
 
 
 def _device(kv):

@@ -31,7 +31,7 @@ class Selector:
         extra = max(0, budget - int((self.moved & self.head).sum()))
         chosen = forced.clone()
         if extra and candidates.any():
-            scores = torch.where(candidates, deviation.float(), torch.tensor(float("-inf")))
+            scores = torch.where(candidates, deviation.float().cpu(), torch.tensor(float("-inf")))
             top = torch.topk(scores, min(extra, int(candidates.sum()))).indices
             chosen[top] = True
         self.recomputed_moved = int((chosen & self.moved).sum())

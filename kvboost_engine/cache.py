@@ -84,10 +84,16 @@ class ChunkCache(DiskRestore):
         with self._lock:
             self.counters.lookups += 1
             match, node, offset = self._walk(tokens, limit)
-            if self.disk is not None and offset < limit and (node is self.root or offset == node.end):
-                path = [n for span in match.spans for n, _, _ in span.pieces]
-                self._restore_from_disk(tokens, limit, chunk_ends, path, offset)
+            probe = self.disk is not None and offset < limit and (node is self.root or offset == node.end)
+        if probe:
+            entries = self._read_disk(tokens, limit, chunk_ends, offset)     # file I/O without the lock
+        with self._lock:
+            if probe:
                 match, node, offset = self._walk(tokens, limit)
+                if entries and (node is self.root or offset == node.end):
+                    path = [n for span in match.spans for n, _, _ in span.pieces]
+                    self._adopt_entries(entries, tokens, path, offset)
+                    match, node, offset = self._walk(tokens, limit)
             match.table = self._table_of(match.spans, 0, offset)
             self.counters.hits += bool(match.spans)
             self.counters.misses += not match.spans
@@ -167,8 +173,12 @@ class ChunkCache(DiskRestore):
         with self._lock:
             path, offset = self._walk_and_split(tokens)
             if pin:
-                self._check_pin_budget(path, upto - offset)
-            pieces = self._fitting(_pieces(offset, upto, sorted(set(chunk_ends) | {exact_upto})), path)
+                self.check_pin_budget(upto, path)
+            all_pieces = _pieces(offset, upto, sorted(set(chunk_ends) | {exact_upto}))
+            pieces = self._fitting(all_pieces, path)
+            if pin and pieces != all_pieces:
+                raise BudgetError(f"pinning {upto} tokens does not fit cache_bytes={self.budget_bytes} "
+                                  f"next to what is pinned ({self.pinned_bytes} bytes)")
             created = self._attach(path[-1] if path else self.root, tokens, pieces, source, exact_upto)
             self._fit_budget({n.uid for n in path + created}, created)
             created = [n for n in created if n.alive]
@@ -179,10 +189,9 @@ class ChunkCache(DiskRestore):
                 self.index.register(tokens, chunk_ends, chunk_kinds, path + created)
             if pin:
                 self._pin(path + created)
-            if self.disk is not None:
-                for node in created:
-                    self._write_through(node)
-            return stored
+            pending = self._hold_for_disk(created) if self.disk is not None else []
+        self._write_through(pending)                    # file I/O without the lock
+        return stored
 
     def _walk_and_split(self, tokens: list[int]) -> tuple[list[Node], int]:
         """Follow fully matching nodes; split a partly matching one. Returns (path, matched)."""
@@ -242,6 +251,39 @@ class ChunkCache(DiskRestore):
             blocks = source.cache_blocks(first_index, pieces[-1][1])  # one reference each, ours for now
         except BudgetError:
             return []
+        try:
+            if pieces[0][0] % self.block_tokens and exact_upto < pieces[0][0] and parent.exact:
+                blocks[0] = self._private_first_block(parent, blocks[0], pieces[0][0])
+            return self._link(parent, tokens, pieces, blocks, first_index, exact_upto)
+        finally:
+            self.pool.release(blocks)
+
+    def _private_first_block(self, parent: Node, shared: int, start: int) -> int:
+        """A copy of the first block whose positions before `start` hold the parent path's exact
+        KV (the source sequence's own KV there was approximate). Holds one reference."""
+        self.make_room(1, {parent.uid})
+        try:
+            own = self.pool.allocate(1)[0]
+        except BudgetError:
+            return shared                   # keep the shared block: only telemetry gets coarser
+        index = start // self.block_tokens
+        head = index * self.block_tokens
+        table = [None] * index + [own]
+        path = self._path_nodes(parent)
+        self.pool.write(table, head, self.pool.read(self._path_table(path, head, start), head, start - head))
+        tail = head + self.block_tokens - start
+        self.pool.write(table, start, self.pool.read([None] * index + [shared], start, tail))
+        self.pool.release([shared])
+        return own
+
+    def _path_nodes(self, node: Node) -> list[Node]:
+        chain = []
+        while node is not None and node is not self.root:
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def _link(self, parent: Node, tokens, pieces, blocks, first_index: int, exact_upto: int) -> list[Node]:
         hasher = PrefixHasher(self.fingerprint)
         hasher.update(tokens[:pieces[0][0]])
         created = []
@@ -256,7 +298,6 @@ class ChunkCache(DiskRestore):
             self._lru[node.uid] = node
             created.append(node)
             parent = node
-        self.pool.release(blocks)
         return created
 
     def _fitting(self, pieces: list[tuple[int, int]], path: list[Node]) -> list[tuple[int, int]]:
@@ -295,13 +336,30 @@ class ChunkCache(DiskRestore):
                      if not n.children and not n.pinned and n.uid not in protected), None)
 
     def make_room(self, blocks: int, protected: set[int] = frozenset()) -> None:
-        """Evict cached chunks until the pool has `blocks` free blocks (for a running sequence)."""
+        """Evict cached chunks until the pool has `blocks` free blocks (for a running sequence).
+
+        Only chunks whose blocks nothing else holds are evicted (dropping a chunk that a running
+        sequence shares frees nothing), and nothing at all when eviction could not free enough:
+        a request that will be refused anyway leaves the cache as it was.
+        """
         with self._lock:
+            missing = blocks - self.pool.free_blocks()
+            if missing <= 0:
+                return
+            pinned = {b for n in self._lru.values() if n.pinned for b in n.blocks}
+            only_cached = np.flatnonzero((self._node_refs > 0) & (self._node_refs == self.pool.refs))
+            if len(set(only_cached.tolist()) - pinned) < missing:
+                return
             while self.pool.free_blocks() < blocks:
-                victim = self._oldest_leaf(protected)
+                victim = next((n for n in self._lru.values() if not n.children and not n.pinned
+                               and n.uid not in protected and self._frees_blocks(n)), None)
                 if victim is None:
                     return
                 self._remove(victim)
+
+    def _frees_blocks(self, node: Node) -> bool:
+        blocks = np.asarray(node.blocks, dtype=np.int64)
+        return bool(((self.pool.refs[blocks] == 1) & (self._node_refs[blocks] == 1)).any())
 
     def _remove(self, node: Node, evicted: bool = True) -> None:
         del node.parent.children[node.tokens[0]]
@@ -315,9 +373,11 @@ class ChunkCache(DiskRestore):
             self.counters.evictions += 1
             self.counters.evicted_bytes += freed
 
-    def _check_pin_budget(self, path: list[Node], new_tokens: int) -> None:
+    def check_pin_budget(self, tokens: int, path: list[Node] = ()) -> None:
+        """Raise BudgetError unless a pinned prefix of `tokens` positions fits next to what is pinned."""
         need = self.pinned_bytes + sum(len(n.blocks) * self.pool.block_bytes for n in path if not n.pinned)
-        need += new_tokens * self.pool.block_bytes // self.block_tokens
+        start = path[-1].end if path else 0
+        need += len(blocks_for(start, tokens, self.block_tokens)) * self.pool.block_bytes
         if need > self.budget_bytes:
             raise BudgetError(f"pinning needs {need} bytes of KV but cache_bytes is {self.budget_bytes} "
                               f"(already pinned: {self.pinned_bytes})")

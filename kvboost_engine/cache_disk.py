@@ -13,32 +13,56 @@ from .tree import Node, blocks_for
 
 
 class DiskRestore:
-    def _write_through(self, node: Node) -> None:
-        if not self.disk.contains(node.key):
-            kv = self.disk_codec.encode(self.read(node, 0, len(node.tokens)))
-            self.disk.put_async(node.key, node.start, node.tokens, kv, node.exact)
+    def _hold_for_disk(self, nodes: list[Node]) -> list[tuple]:
+        """(key, start, tokens, exact, table) of new nodes not yet on disk; the tables hold
+        references so the KV stays put until it is written (lock held)."""
+        pending = []
+        for node in nodes:
+            if not self.disk.contains(node.key):
+                table = [None] * node.first_block + node.blocks
+                self.pool.retain(node.blocks)
+                pending.append((node.key, node.start, node.tokens, node.exact, table))
+        return pending
+
+    def _write_through(self, pending: list[tuple]) -> None:
+        for key, start, tokens, exact, table in pending:
+            try:
+                kv = self.disk_codec.encode(self.pool.read(table, start, len(tokens)))
+                self.disk.put_async(key, start, tokens, kv, exact)
+            finally:
+                self.pool.release([b for b in table if b is not None])
 
     def read(self, node: Node, offset: int, count: int):
         """KV of `count` of a node's positions from `offset`: [2, layers, kv_heads, count, D] (a copy)."""
         table = [None] * node.first_block + node.blocks
         return self.pool.read(table, node.start + offset, count)
 
-    def _restore_from_disk(self, tokens, limit, chunk_ends, path: list[Node], offset: int) -> None:
-        """Bring chunks back from disk, in order, for as long as they continue the matched path."""
+    def _read_disk(self, tokens, limit, chunk_ends, offset: int) -> list[tuple]:
+        """Disk entries that continue tokens[:offset], chunk by chunk, in order (no lock held)."""
         hasher = PrefixHasher(self.fingerprint)
         hasher.update(tokens[:offset])
-        cursor = offset
+        cursor, entries = offset, []
         for end in (c for c in chunk_ends if offset < c <= limit):
             hasher.update(tokens[cursor:end])
             cursor = end
             entry = self.disk.get(hasher.key())
             if entry is None:
-                return
+                break
             start, entry_tokens, data, exact = entry
             if start > offset or tuple(tokens[start:end]) != tuple(entry_tokens):
-                return
+                break
             kv = self.disk_codec.decode(data, len(entry_tokens))
-            exact = exact and self.disk_codec.exact
+            entries.append((start, end, kv, exact and self.disk_codec.exact))
+            offset = end
+        return entries
+
+    def _adopt_entries(self, entries: list[tuple], tokens, path: list[Node], offset: int) -> None:
+        """Bring read entries into the tree for as long as they continue the path (lock held)."""
+        for start, end, kv, exact in entries:
+            if end <= offset:
+                continue                                    # another thread stored it meanwhile
+            if start > offset:
+                return
             node = self._adopt_disk_entry(path, tokens, offset, end, kv[:, :, :, offset - start:], exact)
             if node is None:
                 return
@@ -68,6 +92,6 @@ class DiskRestore:
                     exact=exact and parent.exact)
         parent.children[node.tokens[0]] = node
         self._lru[node.uid] = node
-        self._fit_budget({n.uid for n in path} | {node.uid}, [])
-        return node
+        self._fit_budget({n.uid for n in path} | {node.uid}, [node])
+        return node if node.alive else None
 

@@ -175,6 +175,8 @@ class Engine:
             prompt = self.encode_messages(text_or_messages, add_generation_prompt=False)
         n = len(prompt)
         check_window(self._parts, n, 0)
+        if pin:
+            self.cache.check_pin_budget(n)              # refuse before computing anything
         done = prefill_prompt(self._parts, prompt, 0)
         try:
             store(self._parts, prompt, done.sequence, n, done.exact_upto, pin=pin)
@@ -219,7 +221,8 @@ def _weight_stats(model) -> dict:
 
 def _pool(config: EngineConfig, adapter: ModelAdapter) -> BlockPool:
     per_request = adapter.context_window * adapter.geometry.bytes_per_token
-    ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + 2 * per_request
+    running = 2 * per_request if config.paged else 0    # contiguous requests bring their own buffers
+    ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + running
     spill_dir = os.path.join(config.disk_cache_dir, "spill") if config.disk_cache_dir else None
     return BlockPool(adapter.geometry, ram, adapter.device, block_tokens=config.block_tokens,
                      spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0)

@@ -49,12 +49,14 @@ class Forward:
         positions = positions.to(a.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None]   # [1, A]
         hidden = a.embed(ids)                                                                # [1, A, hidden]
+        masks: dict = {}
         for layer_idx in range(len(a.layers)):
             measure = selector is not None and layer_idx == selector.layer
-            step = ScatterStep(kv, positions, end, a.layer_windows, measure)
+            step = ScatterStep(kv, positions, end, a.layer_windows, measure, masks)
             rope = a.position_embeddings(hidden, positions[None])
             hidden = a.run_layer(layer_idx, hidden, rope, positions[None], step)
             if measure:
                 keep = selector.keep(step.deviation).to(a.device)
                 hidden, positions = hidden[:, keep], positions[keep]
+                masks = {}
         return a.logits_last(hidden)

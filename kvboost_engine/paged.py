@@ -76,8 +76,9 @@ class PagedSequence:
         """Slot index of every position (RAM region only), for scattered reads and writes."""
         if self._slots is None:
             b = self.block_tokens
-            table = torch.tensor(self.table, dtype=torch.long)
-            self._slots = (table[:, None] * b + torch.arange(b)[None, :]).flatten()
+            device = self.pool.ram.device
+            table = torch.tensor(self.table, dtype=torch.long, device=device)
+            self._slots = (table[:, None] * b + torch.arange(b, device=device)[None, :]).flatten()
         return self._slots
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
@@ -96,7 +97,7 @@ class PagedSequence:
             for i, p in enumerate(positions.tolist()):
                 self.write(layer, keys[:, :, i:i + 1], values[:, :, i:i + 1], p)
             return
-        slots = self.slots()[positions]
+        slots = self.slots()[positions.to(self.pool.ram.device)]
         self.pool.ram[0, layer, :, slots] = keys[0]
         self.pool.ram[1, layer, :, slots] = values[0]
 
@@ -104,7 +105,7 @@ class PagedSequence:
         if not self._scatter_ok():
             kv = self.pool.read(self.table, 0, int(positions.max()) + 1)[:, layer][:, :, positions]
             return kv[0][None], kv[1][None]
-        slots = self.slots()[positions]
+        slots = self.slots()[positions.to(self.pool.ram.device)]
         return self.pool.ram[0, layer, :, slots][None], self.pool.ram[1, layer, :, slots][None]
 
     def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask,

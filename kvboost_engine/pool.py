@@ -37,7 +37,7 @@ class BlockPool:
         self.spill = _spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks else None
         total = self.ram_blocks + self.spill_blocks
         self.refs = np.zeros(total, dtype=np.int64)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.peak_used = 0
 
     # ---- allocation ---------------------------------------------------------------------

@@ -60,15 +60,18 @@ def prefill(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int) -> Pr
     """Build a sequence for prompt + `new_tokens`, reusing what the cache has; compute the rest."""
     n = len(prompt)
     match = parts.cache.match(prompt.token_ids, n - 1, prompt.chunk_ends)
-    moved = _moved_spans(parts, prompt, match.length, n + new_tokens)
-    sequence = None
+    moved, sequence, handed_over = [], None, False
     try:
+        moved = _moved_spans(parts, prompt, match.length, n + new_tokens)
+        handed_over = True                  # from here _sequence owns match.table, even when it fails
         sequence = _sequence(parts, match, n + new_tokens)
         for span in moved:
             _load_moved(parts, sequence, span)
     except BaseException:
         if sequence is not None:
             sequence.release()
+        elif not handed_over:
+            parts.cache.release(match.table)
         raise
     finally:
         for span in moved:
@@ -100,9 +103,11 @@ def _sequence(parts: PrefillParts, match: Match, capacity: int):
         if match.length % b:
             sequence.copy_on_write(match.length // b, match.length)
         sequence.reserve()
-    except BudgetError as err:
+    except BaseException as err:
         sequence.release()
-        raise BudgetError(f"request refused before any work: it needs KV for {capacity} positions; {err}") from None
+        if isinstance(err, BudgetError):
+            raise BudgetError(f"request refused before any work: it needs KV for {capacity} positions; {err}") from None
+        raise
     return sequence
 
 

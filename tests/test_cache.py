@@ -137,13 +137,51 @@ def test_make_room_evicts_cached_blocks_for_running_sequences():
     cache.check_invariants()
 
 
-def test_matched_blocks_are_held_until_released():
+def test_matched_blocks_are_held_and_eviction_that_frees_nothing_is_skipped():
     cache = make_cache(budget_tokens=32, pool_tokens=32)
     a = list(range(32))
     insert(cache, a, [32])
     match = cache.match(a, 32)
-    cache.make_room(8)                     # evicts the node, but the match still holds the blocks
-    assert cache.pool.free_blocks() == 0
+    cache.make_room(8)                     # the match holds every block: evicting would free nothing
+    assert cache.stats()["evictions"] == 0 and cache.stats()["nodes"] == 1
     assert torch.equal(cache.pool.read(match.table, 0, 32), fake_kv(a, 0, 32))
     cache.release(match.table)
+    cache.make_room(8)
     assert cache.pool.free_blocks() == 8
+    cache.check_invariants()
+
+
+def test_make_room_that_cannot_succeed_evicts_nothing():
+    cache = make_cache(budget_tokens=64, pool_tokens=64)
+    insert(cache, list(range(32)), [32])
+    cache.pool.allocate(8)                 # a running sequence holds the rest of the pool
+    cache.make_room(12)                    # 8 cached blocks could be freed, 12 are needed
+    assert cache.stats()["nodes"] == 1 and cache.stats()["evictions"] == 0
+
+
+def test_pin_that_does_not_fit_raises_instead_of_storing_nothing():
+    cache = make_cache(budget_tokens=10)   # 2 blocks of 4; 9 tokens need 3 blocks
+    with pytest.raises(BudgetError):
+        insert(cache, list(range(9)), [9], pin=True)
+    assert cache.pinned_bytes == 0
+
+
+def test_exact_positions_are_never_read_from_a_block_an_inexact_source_wrote():
+    cache = make_cache()
+    tokens = list(range(100, 130))
+    insert(cache, tokens[:22], [22])                      # exact KV for positions 0..21
+
+    class Approximate(Source):
+        def cache_blocks(self, first_index, end):
+            blocks = super().cache_blocks(first_index, end)
+            table = [None] * first_index + blocks
+            self.pool.write(table, first_index * BLOCK, fake_kv(self.tokens, first_index * BLOCK, end) + 0.5)
+            return blocks
+
+    cache.insert(tokens, [22, 30], 30, Approximate(cache.pool, tokens), exact_upto=10)
+    match = cache.match(tokens, 30)
+    exact = sum(s.length for s in match.spans if s.exact)
+    assert exact == 22
+    assert torch.equal(cache.pool.read(match.table, 0, exact), fake_kv(tokens, 0, exact))
+    cache.release(match.table)
+    cache.check_invariants()
