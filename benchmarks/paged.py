@@ -44,19 +44,21 @@ def long_text(tokens_wanted: int, tokenizer) -> str:
 
 def decode_run(engine: Engine, prompt: str, new_tokens: int) -> dict:
     steps = []
-    compute = engine._parts.compute
+    parts = engine._parts.prefill
+    forward = parts.forward
 
     def timed(kv, token_ids, start):
         started = time.perf_counter()
-        out = compute(kv, token_ids, start)
-        steps.append(time.perf_counter() - started)
+        out = forward(kv, token_ids, start)
+        if len(token_ids) == 1:                         # decode steps only
+            steps.append(time.perf_counter() - started)
         return out
 
-    engine._parts.compute = timed
+    parts.forward = timed
     try:
         g = engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)
     finally:
-        engine._parts.compute = compute
+        parts.forward = forward
     return {"tok_s": (new_tokens - 1) / (g.total_s - g.ttft_s), "steps": steps, "token_ids": g.token_ids}
 
 
