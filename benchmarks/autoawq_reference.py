@@ -85,6 +85,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         view = v4_view(args.src.expanduser(), Path(tmp))
         model = AutoAWQForCausalLM.from_pretrained(str(view), device_map="cpu")
+        # AutoAWQ catches layer 0's kwargs from a full forward; with the config's use_cache=True
+        # that includes a DynamicCache, so every search forward appends to it and later ones
+        # attend to stale keys: the loss is wrong and the chosen scales are garbage.
+        model.model.config.use_cache = False
         tokenizer = AutoTokenizer.from_pretrained(str(view))
         quant_config = {"zero_point": True, "q_group_size": args.group_size, "w_bit": 4, "version": "GEMM"}
         started = time.perf_counter()

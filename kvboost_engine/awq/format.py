@@ -102,7 +102,8 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C/8] in AWQ pack order -> uint8 [R, C] values in 0..15."""
     shifts = torch.tensor([4 * n for n in AWQ_UNPACK_ORDER], dtype=torch.int32, device=packed.device)
-    values = (packed[:, :, None] >> shifts) & 0xF                              # [R, C/8, 8]
+    values = packed[:, :, None] >> shifts                                      # [R, C/8, 8]
+    values &= 0xF                                                              # in place: one temporary
     return values.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
