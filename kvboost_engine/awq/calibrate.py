@@ -48,7 +48,7 @@ def first_layer_inputs(model: nn.Module, token_ids: torch.Tensor) -> LayerInputs
 
     def catch(module, args, kwargs):
         caught["hidden"] = args[0] if args else kwargs["hidden_states"]
-        caught["kwargs"] = {k: kwargs[k] for k in LAYER_KWARGS if kwargs.get(k) is not None}
+        caught["kwargs"] = {k: kwargs[k] for k in LAYER_KWARGS if k in kwargs}      # a None mask too
         raise _Stop
 
     handle = model.model.layers[0].register_forward_pre_hook(catch, with_kwargs=True)

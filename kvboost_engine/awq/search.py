@@ -66,26 +66,26 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, d
 def search_scale(group: ScaleGroup, x: torch.Tensor, group_size: int, *, grid: int = 20,
                  duo: bool = True, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Best input-channel scales [K] for `group` on input `x` [B, S, K] (block inputs), and the
-    error of each grid point. `stats` [T, K] (default: x) gives the channel statistics."""
+    block's mean squared error for: no scaling, then each grid exponent. No scaling wins ties,
+    so the search never does worse than plain rounding on `x`. `stats` [T, K] (default: x)
+    gives the channel statistics."""
     flat = x.reshape(-1, x.shape[-1])
     x_mean, w_mean = channel_means(flat if stats is None else stats, group.linears, group_size)
     forward = group.block or group.linears[0]
     originals = [m.weight.detach().clone() for m in group.linears]
     reference = forward(x).float()
-    best, best_err, errors = torch.ones_like(x_mean), float("inf"), []
+    candidates = [torch.ones_like(x_mean)] + [candidate_scales(x_mean, w_mean, s / grid, duo) for s in range(grid)]
+    errors = []
     try:
-        for step in range(grid):
-            scales = candidate_scales(x_mean, w_mean, step / grid, duo)
+        for scales in candidates:
             for linear, weight in zip(group.linears, originals):
                 w = weight.float() * scales
                 linear.weight.copy_((fake_quantize(w, group_size) / scales).to(weight.dtype))
             errors.append((forward(x).float() - reference).pow(2).mean().item())
-            if errors[-1] < best_err:
-                best, best_err = scales, errors[-1]
     finally:
         for linear, weight in zip(group.linears, originals):
             linear.weight.copy_(weight)
-    return best, errors
+    return candidates[min(range(len(errors)), key=errors.__getitem__)], errors
 
 
 @torch.inference_mode()
