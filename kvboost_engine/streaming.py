@@ -206,12 +206,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def release_free_memory() -> bool:
-    """Collect garbage and hand free heap pages back to the OS (glibc `malloc_trim`).
+def release_free_memory(collect: bool = False) -> bool:
+    """Hand free heap pages back to the OS (glibc `malloc_trim`), after a garbage collection
+    when `collect` (slow in a process with many Python objects: leave it to the last call).
 
     Freed tensors below glibc's mmap threshold stay in the heap and keep counting toward
     RSS; trimming returns them. Returns whether a trim ran (False off glibc)."""
-    gc.collect()
+    if collect:
+        gc.collect()
     libc = _libc()
     if libc is None:
         return False

@@ -99,12 +99,12 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return (packed - ((packed >> 31) & 1) * (1 << 32)).to(torch.int32)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C/8] in AWQ pack order -> uint8 [R, C] values in 0..15."""
+def unpack_int4(packed: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """int32 [R, C/8] in AWQ pack order -> [R, C] values in 0..15 (uint8, or `dtype`)."""
     shifts = torch.tensor([4 * n for n in AWQ_UNPACK_ORDER], dtype=torch.int32, device=packed.device)
     values = packed[:, :, None] >> shifts                                      # [R, C/8, 8]
     values &= 0xF                                                              # in place: one temporary
-    return values.reshape(packed.shape[0], -1).to(torch.uint8)
+    return values.reshape(packed.shape[0], -1).to(dtype)
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

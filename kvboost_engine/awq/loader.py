@@ -84,6 +84,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
         model.kvboost_streamer = LayerStreamer(layers, packed, tier, staging_slots, device)
     model.config.quantization_config = {**awq.to_dict(), "weights_digest": digest}
     model.kvboost_awq = _info(model, awq, bindings, streamed, digest, pack_path)
+    release_free_memory(collect=True)
     return model.eval()
 
 
