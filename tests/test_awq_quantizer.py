@@ -81,3 +81,11 @@ def test_sequential_search_leaves_dequantized_weights():
     prefix = "model.layers.1.mlp.up_proj"
     stored = dequantize(state[f"{prefix}.qweight"], state[f"{prefix}.qzeros"], state[f"{prefix}.scales"], 32)
     assert torch.allclose(stored.T, model.model.layers[1].mlp.up_proj.weight, atol=1e-6)
+
+
+def test_calibration_text_is_disjoint_from_evaluation_text():
+    from kvboost_engine.awq.texts import calibration_texts, evaluation_text
+    texts = calibration_texts()
+    evaluation = evaluation_text()
+    assert len(texts) > 500 and not any(text in evaluation for text in texts)   # topics overlap
+    assert calibration_texts(3) == texts[:3]

@@ -28,13 +28,15 @@ class LayerInputs:
     kwargs: dict                  # position_embeddings, attention_mask, position_ids (no cache)
 
 
-def calibration_ids(tokenizer, samples: int, seq_len: int = 256, max_tokens: int = 1024) -> torch.Tensor:
-    """[B, seq_len] token ids (at most max_tokens) from the first `samples` calibration paragraphs."""
-    ids = [t for text in calibration_texts(samples) for t in tokenizer(text)["input_ids"]]
-    rows = max(1, min(len(ids), max_tokens) // seq_len)
-    if len(ids) < rows * seq_len:
-        raise ValueError(f"{samples} calibration paragraphs give {len(ids)} tokens, fewer than one row of {seq_len}")
-    return torch.tensor(ids[:rows * seq_len]).reshape(rows, seq_len)
+def calibration_ids(tokenizer, rows: int, seq_len: int = 256) -> torch.Tensor:
+    """[rows, seq_len] token ids: the calibration paragraphs (texts.calibration_texts), in
+    order, tokenized one by one and concatenated."""
+    needed, ids = rows * seq_len, []
+    for text in calibration_texts():
+        ids.extend(tokenizer(text)["input_ids"])
+        if len(ids) >= needed:
+            return torch.tensor(ids[:needed]).reshape(rows, seq_len)
+    raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {rows} rows of {seq_len}")
 
 
 class _Stop(Exception):

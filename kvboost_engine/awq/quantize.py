@@ -159,17 +159,25 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write an AWQ (GEMM, 4-bit) checkpoint of an HF model.")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded model)")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=64, help="calibration paragraphs (0: no scale search)")
-    parser.add_argument("--clip", action="store_true", help="also search per-group range clipping")
+    parser.add_argument("--group-size", type=int, default=32, help="32, 64 or 128 (AutoAWQ's GEMM sizes)")
+    parser.add_argument("--rows", type=int, default=32, help="calibration rows (0: plain round-to-nearest)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration row")
+    parser.add_argument("--loss-rows", type=int, default=SearchOptions.loss_rows,
+                        help="rows the scale search compares block outputs on")
+    parser.add_argument("--grid", type=int, default=SearchOptions.grid)
+    parser.add_argument("--rounding", choices=ROUNDINGS, default=SearchOptions.rounding)
+    parser.add_argument("--no-clip", action="store_true", help="skip the range-clipping search")
+    parser.add_argument("--sequential", action="store_true", help="each layer calibrates on the quantized layers before it")
     args = parser.parse_args(argv)
     from ..loading import load_model_and_tokenizer, resolve_model_dir
 
     source = resolve_model_dir(args.model)
     model, tokenizer = load_model_and_tokenizer(source, device=torch.device("cpu"), dtype=torch.float32)
     started = time.perf_counter()
-    ids = calibration_ids(tokenizer, args.samples) if args.samples else None
-    state = quantize_model(model, ids, args.group_size, clip=args.clip)
+    ids = calibration_ids(tokenizer, args.rows, args.seq_len) if args.rows else None
+    options = SearchOptions(grid=args.grid, clip=not args.no_clip, rounding=args.rounding,
+                            sequential=args.sequential, loss_rows=args.loss_rows)
+    state = quantize_model(model, ids, args.group_size, options)
     save_checkpoint(model, state, args.out, args.group_size, Path(source) if isinstance(source, Path) else None)
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
 
