@@ -89,3 +89,19 @@ def test_calibration_text_is_disjoint_from_evaluation_text():
     evaluation = evaluation_text()
     assert len(texts) > 500 and not any(text in evaluation for text in texts)   # topics overlap
     assert calibration_texts(3) == texts[:3]
+
+
+def test_command_line_writes_a_loadable_checkpoint(tmp_path):
+    import shutil
+
+    from kvboost_engine.awq.loader import load_awq_model
+    from kvboost_engine.awq.quantize import TOKENIZER_FILES, main
+    from kvboost_engine.loading import default_model_dir
+    source = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(source)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir() / name).exists():
+            shutil.copy(default_model_dir() / name, source / name)
+    main(["--out", str(tmp_path / "awq"), "--model", str(source), "--rows", "2", "--seq-len", "32", "--grid", "2"])
+    model = load_awq_model(tmp_path / "awq", device=torch.device("cpu"), dtype=torch.float32)
+    assert model.kvboost_awq.awq_group_size == 32

@@ -50,6 +50,9 @@ class SearchOptions:
     loss_rows: int = 8
 
 
+DEFAULTS = SearchOptions()
+
+
 def check_quantizable(model: nn.Module) -> None:
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
@@ -162,10 +165,10 @@ def main(argv=None) -> None:
     parser.add_argument("--group-size", type=int, default=32, help="32, 64 or 128 (AutoAWQ's GEMM sizes)")
     parser.add_argument("--rows", type=int, default=32, help="calibration rows (0: plain round-to-nearest)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration row")
-    parser.add_argument("--loss-rows", type=int, default=SearchOptions.loss_rows,
+    parser.add_argument("--loss-rows", type=int, default=DEFAULTS.loss_rows,
                         help="rows the scale search compares block outputs on")
-    parser.add_argument("--grid", type=int, default=SearchOptions.grid)
-    parser.add_argument("--rounding", choices=ROUNDINGS, default=SearchOptions.rounding)
+    parser.add_argument("--grid", type=int, default=DEFAULTS.grid)
+    parser.add_argument("--rounding", choices=ROUNDINGS, default=DEFAULTS.rounding)
     parser.add_argument("--no-clip", action="store_true", help="skip the range-clipping search")
     parser.add_argument("--sequential", action="store_true", help="each layer calibrates on the quantized layers before it")
     args = parser.parse_args(argv)
