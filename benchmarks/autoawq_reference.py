@@ -75,16 +75,23 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--no-clip", action="store_true", help="skip AutoAWQ's clip search (slow on CPU)")
+    parser.add_argument("--dtype", choices=["float16", "float32"], default="float16",
+                        help="compute dtype of the float model (AutoAWQ's default float16 is very slow on CPU)")
     parser.add_argument("--rtn", action="store_true",
                         help="no calibration: AutoAWQ's own round-to-nearest and GEMM packing per linear")
     args = parser.parse_args()
+    import torch
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
 
     texts = load_texts_module().calibration_texts(args.samples)
     with tempfile.TemporaryDirectory() as tmp:
         view = v4_view(args.src.expanduser(), Path(tmp))
-        model = AutoAWQForCausalLM.from_pretrained(str(view), device_map="cpu")
+        model = AutoAWQForCausalLM.from_pretrained(str(view), device_map="cpu", torch_dtype=getattr(torch, args.dtype))
+        # AutoAWQ catches layer 0's kwargs from a full forward; with the config's use_cache=True
+        # that includes a DynamicCache, so every search forward appends to it and later ones
+        # attend to stale keys: the loss is wrong and the chosen scales are garbage.
+        model.model.config.use_cache = False
         tokenizer = AutoTokenizer.from_pretrained(str(view))
         quant_config = {"zero_point": True, "q_group_size": args.group_size, "w_bit": 4, "version": "GEMM"}
         started = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def run_one(awq: str, resident: int | None, tokens: int, repeats: int, stream_fr
 
     engine = Engine.from_pretrained(awq, cache_bytes=0, resident_layers=resident,
                                     stream_from=stream_from if resident is not None else None)
-    loaded_rss = peak_rss_bytes()
+    loaded_peak, loaded_rss = peak_rss_bytes(), current_rss_bytes()
     engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)          # warm-up (and first prefetch cycle)
     streamer = getattr(engine.model, "kvboost_streamer", None)
     if streamer is not None:
@@ -50,7 +51,8 @@ def run_one(awq: str, resident: int | None, tokens: int, repeats: int, stream_fr
         rates.append((len(gen.token_ids) - 1) / (gen.total_s - gen.ttft_s))
         ids = gen.token_ids
     out = {"resident_layers": resident, "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates,
-           "token_ids": ids, "rss_after_load": loaded_rss, "peak_rss_bytes": peak_rss_bytes(),
+           "token_ids": ids, "rss_after_load": loaded_rss,
+           "peak_rss_after_load": loaded_peak, "peak_rss_bytes": peak_rss_bytes(),
            "stats": {k: v for k, v in engine.stats().items() if k.startswith(("stream", "prefetch", "awq", "resident",
                                                                                "streamed", "dense", "staging"))}}
     if streamer is not None and isinstance(streamer.tier, DiskTier):
@@ -61,16 +63,33 @@ def run_one(awq: str, resident: int | None, tokens: int, repeats: int, stream_fr
     return out
 
 
-def baseline_rss() -> dict:
-    """Peak RSS of a process that imports everything and loads the tokenizer, but no weights."""
-    import torch
-    from transformers import AutoTokenizer
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
-    from kvboost_engine.loading import default_model_dir
-    from kvboost_engine.streaming import peak_rss_bytes
-    AutoTokenizer.from_pretrained(default_model_dir())
-    torch.ones(1) @ torch.ones(1)
-    return {"peak_rss_bytes": peak_rss_bytes()}
+
+def baseline_rss(awq: str) -> dict:
+    """Peak RSS of a process that does everything a load does except holding weights: imports,
+    tokenizer, config, the CPU int4 kernel probe, the model skeleton on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvboost_engine.awq.kernels import select_layout
+    from kvboost_engine.streaming import peak_rss_bytes, release_free_memory
+    torch.set_num_threads(2)
+    AutoTokenizer.from_pretrained(awq)
+    config = AutoConfig.from_pretrained(awq)
+    plain = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    select_layout(torch.device("cpu"))
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(plain)
+    torch.ones(4, 4) @ torch.ones(4, 4)
+    release_free_memory()
+    return {"peak_rss_bytes": peak_rss_bytes(), "rss_after_trim": current_rss_bytes()}
 
 
 def child(args: list[str]) -> dict:
@@ -98,10 +117,18 @@ def summarise(awq: str, resident: dict, streaming: dict, base: dict) -> dict:
         "prefetch_hit_rate": s["prefetch_hit_rate"],
         "weights_resident_run_bytes": layer_bytes + s["dense_weight_bytes"], "layer_weight_bytes": layer_bytes,
         "dense_weight_bytes": s["dense_weight_bytes"], "baseline_process_rss": base["peak_rss_bytes"],
+        "baseline_process_rss_after_trim": base["rss_after_trim"],
+        "streaming_peak_above_trimmed_baseline_and_dense": streaming["peak_rss_bytes"] - base["rss_after_trim"]
+        - s["dense_weight_bytes"],
         "fixed_overhead_bytes": overhead,
+        "fixed_overhead_is": "peak RSS of a process with everything but weights (imports, tokenizer, config, "
+                             "int4 kernel probe, meta-device skeleton) + the non-layer weights (embedding/lm_head, "
+                             "norms) in the compute dtype",
         "peak_rss_resident": resident["peak_rss_bytes"], "peak_rss_streaming": streaming["peak_rss_bytes"],
         "streaming_rss_above_overhead": streaming["peak_rss_bytes"] - overhead,
         "memory_bound_0.4_of_weights_plus_overhead": 0.4 * (layer_bytes + s["dense_weight_bytes"]) + overhead,
+        "memory_bound_met": streaming["peak_rss_bytes"] <= 0.4 * (layer_bytes + s["dense_weight_bytes"]) + overhead,
+        "rss_after_load_resident": resident["rss_after_load"], "rss_after_load_streaming": streaming["rss_after_load"],
         "resident": resident, "streaming": streaming,
     }
 
@@ -117,7 +144,7 @@ def main() -> None:
     parser.add_argument("--child", choices=["resident", "streaming", "baseline"], default=None)
     args = parser.parse_args()
     if args.child == "baseline":
-        print(json.dumps(baseline_rss()))
+        print(json.dumps(baseline_rss(args.awq)))
         return
     if args.child:
         resident = None if args.child == "resident" else args.resident
@@ -128,7 +155,7 @@ def main() -> None:
               "--resident", str(args.resident), "--stream-from", args.stream_from]
     started = time.perf_counter()
     report = summarise(awq, child(common + ["--child", "resident"]), child(common + ["--child", "streaming"]),
-                       child(["--child", "baseline"]))
+                       child(["--child", "baseline", "--awq", awq]))
     report["wall_s"] = time.perf_counter() - started
     text = json.dumps(report, indent=2)
     print(text)

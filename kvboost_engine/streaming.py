@@ -11,7 +11,11 @@ that runs the layers (kvboost's own loop, or a plain HF forward) streams correct
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import resource
+import sys
 import threading
 import time
 from collections import deque
@@ -200,3 +204,29 @@ class LayerStreamer:
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_free_memory(collect: bool = False) -> bool:
+    """Hand free heap pages back to the OS (glibc `malloc_trim`), after a garbage collection
+    when `collect` (slow in a process with many Python objects: leave it to the last call).
+
+    Freed tensors below glibc's mmap threshold stay in the heap and keep counting toward
+    RSS; trimming returns them. Returns whether a trim ran (False off glibc)."""
+    if collect:
+        gc.collect()
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+        lib = ctypes.CDLL(name) if name else None
+        _LIBC.append(lib if lib is not None and hasattr(lib, "malloc_trim") else None)
+    return _LIBC[0]

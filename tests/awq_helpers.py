@@ -17,7 +17,7 @@ def write_tiny_awq(out: Path, model_type: str = "llama", group_size: int = 32, s
 
     model = tiny_model(model_type, **overrides)
     reference = tiny_model(model_type, **overrides)
-    ids = calibration_ids(AutoTokenizer.from_pretrained(default_model_dir()), 8, 64, 256) if search else None
+    ids = calibration_ids(AutoTokenizer.from_pretrained(default_model_dir()), 4, 64) if search else None
     state = quantize_model(model, ids, group_size)
     save_checkpoint(model, state, out, group_size, default_model_dir())
     return reference

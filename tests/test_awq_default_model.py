@@ -5,8 +5,9 @@ searched checkpoint's perplexity is measured by benchmarks/awq_check.py.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
-import torch
 
 from kvboost_engine import Engine
 from kvboost_engine.awq.quantize import quantize_model, save_checkpoint
@@ -15,8 +16,7 @@ from kvboost_engine.loading import default_model_dir
 
 @pytest.fixture(scope="module")
 def smol_awq(smol, tmp_path_factory):
-    from kvboost_engine.loading import load_model_and_tokenizer
-    model, _ = load_model_and_tokenizer(default_model_dir(), device=torch.device("cpu"), dtype=torch.float32)
+    model = copy.deepcopy(smol[0])                   # quantize_model works in place; the session model stays
     path = tmp_path_factory.mktemp("awq") / "smol-awq-rtn"
     save_checkpoint(model, quantize_model(model, None, 64), path, 64, default_model_dir())
     return path

@@ -90,11 +90,15 @@ def test_fake_quantize_equals_packed_round_trip():
 
 def test_clip_search_never_worse_than_no_clip():
     from kvboost_engine.awq.format import fake_quantize
-    from kvboost_engine.awq.quantize import search_clip
+    from kvboost_engine.awq.search import search_clip
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(8, 64, generator=gen) * torch.rand(1, 64, generator=gen)
-    x_sq = torch.rand(64, generator=gen)
-    clip = search_clip(weight, x_sq, 32)
-    def err(c):
-        return (((weight - fake_quantize(weight, 32, c)) ** 2) * x_sq).sum()
-    assert err(clip) <= err(None) + 1e-6 and bool((clip <= 1).all())
+    weight[:, 5] = 6.0                                   # an outlier that clipping should cut
+    x = torch.randn(256, 64, generator=gen)
+    clip = search_clip(weight, x, 32)
+
+    def group_errors(c):                                 # [N, groups]: each group's output error
+        diff = (weight - fake_quantize(weight, 32, c)).reshape(8, 2, 32)
+        return torch.einsum("tgc,ngc->ngt", x.reshape(-1, 2, 32), diff).pow(2).mean(-1)
+    assert bool((group_errors(clip) <= group_errors(None) + 1e-6).all())
+    assert bool((clip <= 1).all()) and bool((clip < 1).any())

@@ -68,6 +68,27 @@ class Checkpoint:
         read_into(entry.path, entry.offset, out)
         return out
 
+    def copy_into(self, name: str, out: torch.Tensor, chunk_bytes: int = 4 << 20) -> None:
+        """Fill `out` (contiguous CPU, same shape) with `name`, converting dtype on the way.
+
+        Same dtype: read straight into `out`. Otherwise the stored rows pass through a buffer of
+        at most `chunk_bytes`, so loading an fp16 embedding as fp32 never holds a second full copy.
+        """
+        entry = self.entries[name]
+        if tuple(out.shape) != entry.shape or not out.is_contiguous():
+            raise ValueError(f"{name}: stored {entry.shape}, target {tuple(out.shape)} (contiguous needed)")
+        if out.dtype == entry.dtype:
+            read_into(entry.path, entry.offset, out)
+            return
+        flat = out.view(-1)
+        item = torch.empty((), dtype=entry.dtype).element_size()
+        step = max(1, chunk_bytes // item)
+        buffer = torch.empty(min(step, flat.numel()), dtype=entry.dtype)
+        for start in range(0, flat.numel(), step):
+            piece = buffer[:min(step, flat.numel() - start)]
+            read_into(entry.path, entry.offset + start * item, piece)
+            flat[start:start + piece.numel()].copy_(piece)
+
     def digest(self) -> str:
         """Identity of the weights: names, shapes, dtypes and the first/last bytes of each tensor."""
         h = xxhash.xxh3_128()

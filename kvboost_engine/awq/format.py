@@ -99,11 +99,12 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return (packed - ((packed >> 31) & 1) * (1 << 32)).to(torch.int32)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C/8] in AWQ pack order -> uint8 [R, C] values in 0..15."""
+def unpack_int4(packed: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """int32 [R, C/8] in AWQ pack order -> [R, C] values in 0..15 (uint8, or `dtype`)."""
     shifts = torch.tensor([4 * n for n in AWQ_UNPACK_ORDER], dtype=torch.int32, device=packed.device)
-    values = (packed[:, :, None] >> shifts) & 0xF                              # [R, C/8, 8]
-    return values.reshape(packed.shape[0], -1).to(torch.uint8)
+    values = packed[:, :, None] >> shifts                                      # [R, C/8, 8]
+    values &= 0xF                                                              # in place: one temporary
+    return values.reshape(packed.shape[0], -1).to(dtype)
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -121,30 +122,42 @@ def quantize_groups(weight: torch.Tensor, group_size: int, clip: torch.Tensor | 
     `clip` [N, K/g] (optional) shrinks each group's range by that factor before rounding.
     Returns AWQ tensors (qweight int32 [K, N/8], qzeros int32 [K/g, N/8], scales fp16 [K/g, N]).
     """
-    q, zeros, scales = _round_groups(weight, group_size, clip)
-    n_out, n_in = weight.shape
-    qweight = pack_int4(q.reshape(n_out, n_in).T.contiguous())
+    return pack_groups(*round_groups(weight, group_size, clip))
+
+
+def pack_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ tensors from q [N, K/g, g] (0..15), zeros and scales [N, K/g] (nn.Linear orientation)."""
+    n_out = q.shape[0]
+    qweight = pack_int4(q.reshape(n_out, -1).T.contiguous())
     return qweight, pack_int4(zeros.T.contiguous()), scales.T.contiguous().half()
 
 
 def fake_quantize(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, K] after the 4-bit round trip of `quantize_groups` (no packing)."""
-    q, zeros, scales = _round_groups(weight, group_size, clip)
+    q, zeros, scales = round_groups(weight, group_size, clip)
     return ((q - zeros[..., None]) * scales[..., None]).reshape(weight.shape)
 
 
-def _round_groups(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+def round_groups(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
     """q [N, K/g, g], zeros and scales [N, K/g]; scales rounded to fp16 first, so the
     checkpoint's fp16 scales reproduce the rounding exactly."""
     n_out, n_in = weight.shape
     if n_in % group_size:
         raise ValueError(f"in_features {n_in} is not a multiple of group size {group_size}")
     w = weight.detach().float().reshape(n_out, n_in // group_size, group_size)  # [N, K/g, g]
-    w_max = w.amax(dim=2).clamp(min=0)
-    w_min = w.amin(dim=2).clamp(max=0)
-    if clip is not None:
-        w_max, w_min = w_max * clip, w_min * clip
-    scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()             # [N, K/g]
-    zeros = (-w_min / scales).round().clamp(0, 15)
+    scales, zeros = group_grid(w, clip)
     q = (w / scales[..., None]).round().add(zeros[..., None]).clamp(0, 15)       # [N, K/g, g]
     return q, zeros, scales
+
+
+def group_grid(w: torch.Tensor, clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales (fp16-exact) and zero points [...] of weight groups w [..., g]: the 16 levels span
+    the group's range (widened to include 0), shrunk by `clip` [...] when given."""
+    w_max = w.amax(dim=-1).clamp(min=0)
+    w_min = w.amin(dim=-1).clamp(max=0)
+    if clip is not None:
+        w_max, w_min = w_max * clip, w_min * clip
+    scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()
+    zeros = (-w_min / scales).round().clamp(0, 15)
+    return scales, zeros

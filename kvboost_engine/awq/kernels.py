@@ -65,7 +65,7 @@ class CpuInt4PackLayout:
                 TensorSpec("scale_zeros", (k // group, n, 2), torch.bfloat16)]
 
     def prepare(self, qweight, qzeros, scales, group: int) -> dict[str, torch.Tensor]:
-        q = unpack_int4(qweight).T.to(torch.int32).contiguous()                  # [N, K]
+        q = unpack_int4(qweight, torch.int32).T.contiguous()                      # [N, K]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)        # [N, K/2] uint8
         scale = scales.float()                                                    # [K/g, N]
         zero_f = (8 - unpack_int4(qzeros).float()) * scale

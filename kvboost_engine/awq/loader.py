@@ -18,7 +18,7 @@ from torch import nn
 from ..arch import check_supported
 from ..errors import InputError, UnsupportedModelError
 from ..residency import LayerBinding, resident_layers_set
-from ..streaming import LayerStreamer
+from ..streaming import LayerStreamer, release_free_memory
 from ..tiers import DiskTier, HostTier, write_pack_file
 from .checkpoint import Checkpoint
 from .format import AWQConfig, awq_config_of
@@ -71,7 +71,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
     streamed = [i for i in range(len(layers)) if i not in resident and bindings[i].nbytes]
     digest = ckpt.digest()
     for i in sorted(set(range(len(layers))) - set(streamed)):
-        _bind_resident(layers[i], ckpt, device)
+        bindings[i].bind(_layer_blob(bindings[i], layers[i], ckpt).to(device))
     model.to(device)
     tier, pack_path = None, None
     if streamed:
@@ -84,6 +84,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
         model.kvboost_streamer = LayerStreamer(layers, packed, tier, staging_slots, device)
     model.config.quantization_config = {**awq.to_dict(), "weights_digest": digest}
     model.kvboost_awq = _info(model, awq, bindings, streamed, digest, pack_path)
+    release_free_memory(collect=True)
     return model.eval()
 
 
@@ -115,13 +116,17 @@ def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Mod
 
 
 def _load_dense(model: nn.Module, ckpt: Checkpoint, dtype) -> None:
-    """Copy every parameter and persistent buffer from the checkpoint (lm_head may be tied)."""
+    """Copy every parameter and persistent buffer from the checkpoint (lm_head may be tied).
+
+    Garbage from config/tokenizer loading is returned to the OS first: the dense weights are
+    the largest allocation of a streamed model, so this is where peak RSS is set."""
+    release_free_memory()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     missing = []
     for name, tensor in list(model.named_parameters()) + _persistent_buffers(model):
         if name in ckpt:
             with torch.no_grad():
-                tensor.copy_(ckpt.read(name).to(tensor.dtype))
+                ckpt.copy_into(name, tensor.data)
         elif not (tied and name == "lm_head.weight"):
             missing.append(name)
     if missing:
@@ -144,16 +149,15 @@ def _prepared(module: AWQLinear, prefix: str, ckpt: Checkpoint) -> dict[str, tor
                                  ckpt.read(f"{prefix}.scales"), module.group_size)
 
 
-def _bind_resident(layer: nn.Module, ckpt: Checkpoint, device) -> None:
-    for module in awq_modules(layer):
-        module.tensors = {k: v.to(device) for k, v in _prepared(module, module.checkpoint_name, ckpt).items()}
-
-
 def _layer_blob(binding: LayerBinding, layer: nn.Module, ckpt: Checkpoint, pin: bool = False) -> torch.Tensor:
-    tensors = [_prepared(m, m.checkpoint_name, ckpt) for m in awq_modules(layer)]
-    out = torch.empty(binding.nbytes, dtype=torch.uint8, pin_memory=pin)
-    out.zero_()
-    return binding.pack(tensors, out)
+    """One layer's weights in its compute layout, as one uint8 blob (see residency.LayerBinding).
+
+    The conversion's temporaries (unpacked nibbles, int32 copies) are handed back to the OS
+    before the next layer, so they neither add up nor fragment the heap across layers."""
+    out = torch.zeros(binding.nbytes, dtype=torch.uint8, pin_memory=pin)
+    binding.pack([_prepared(m, m.checkpoint_name, ckpt) for m in awq_modules(layer)], out)
+    release_free_memory()
+    return out
 
 
 def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, digest: str, pack_dir) -> Path:
