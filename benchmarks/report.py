@@ -53,7 +53,7 @@ def _pct(value) -> str:
 
 def _label(result, system_id: str) -> str:
     info = result["systems"][system_id]
-    text = f"{info['label']} ({info['version']})" if not system_id.startswith("ours") else info["label"]
+    text = f"{info['label']} {info['version']}" if not system_id.startswith("ours") else info["label"]
     return text + (" †" if result["group_of"][system_id] == "worker" else "")
 
 
@@ -129,7 +129,8 @@ def markdown(result, image_dir: str = "benchmarks/results") -> str:
         out += workload_table(result, workload) + [""]
         if workload["name"] == "rag":
             out += ["Median TTFT (ms) by documents per question:", ""] + rag_by_docs(result, workload) + [""]
-    out += ["#### Peak memory (each system alone in a fresh process, all workloads once)", ""]
+    probed = result["settings"].get("memory_workloads", ["chat", "rag", "coding"])
+    out += [f"#### Peak memory (each system alone in a fresh process; workloads {', '.join(probed)} once)", ""]
     out += memory_table(result) + [""]
     if any(g == "worker" for s, g in result["group_of"].items() if result["systems"][s]["status"] == "ran"):
         out += ["† ran in its own venv as a worker process of the same run (langchain-huggingface 1.2.3 needs "
@@ -153,11 +154,18 @@ def plot_all(result, out_dir: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     suffix, paths = _suffix(result), []
     names = ran(result)
     workloads = {w["name"]: w for w in result["workloads"]}
 
     def save(fig, name):
+        for ax in fig.axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if ax.get_ylabel().startswith("TTFT"):
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / f"{name}{suffix}.png"
         fig.savefig(path, dpi=100)
@@ -173,7 +181,6 @@ def plot_all(result, out_dir: Path) -> list[Path]:
             values = series(rows_of(result, s, "chat")["sequences"][chat["key"]], key)
             ax.plot(turns, [v * scale for v in values], label=_label(result, s), **_style(s))
         ax.set(xlabel="turn", ylabel=ylabel, title="Multi-turn chat")
-        ax.legend(fontsize=7)
         save(fig, name)
 
     rag = workloads["rag"]["sequences"]
@@ -184,7 +191,6 @@ def plot_all(result, out_dir: Path) -> list[Path]:
                 label=_label(result, s), **_style(s))
     ax.set(xlabel="retrieved documents per question", ylabel="TTFT (ms, median over questions)",
            title="RAG, shuffled documents")
-    ax.legend(fontsize=7)
     save(fig, "ttft_vs_docs")
 
     coding = workloads["coding"]["sequences"][0]
@@ -196,9 +202,9 @@ def plot_all(result, out_dir: Path) -> list[Path]:
     for step, request in zip(steps, coding["requests"]):
         if request["event"]:
             ax.axvline(step, color="gray", linestyle=":")
-            ax.annotate(request["event"], (step, ax.get_ylim()[1]), fontsize=7, rotation=90, va="top")
+            ax.annotate(request["event"], (step, 0.98), xycoords=("data", "axes fraction"), fontsize=7,
+                        rotation=90, va="top", ha="right")
     ax.set(xlabel="request", ylabel="TTFT (ms, median)", title="Coding assistant session")
-    ax.legend(fontsize=7)
     save(fig, "coding_ttft")
     return paths
 

@@ -39,10 +39,10 @@ MAIN_SYSTEMS = ("transformers", "llama-index-llms-huggingface", "kvboost-pypi", 
 WORKER_SYSTEM = "langchain-huggingface"
 WORKER_HUB = "1.33.0"
 MODES = {
-    "quick": dict(turns=4, chat_tokens=16, doc_counts=(1, 4), rag_questions=3, rag_tokens=8, coding_steps=6,
-                  coding_tokens=16, repeats=1),
+    "quick": dict(turns=3, chat_tokens=8, doc_counts=(1, 3), rag_questions=3, rag_tokens=8, coding_steps=6,
+                  coding_tokens=8, repeats=1, memory_workloads=("chat",)),
     "full": dict(turns=10, chat_tokens=32, doc_counts=(1, 2, 4, 8), rag_questions=8, rag_tokens=12,
-                 coding_steps=10, coding_tokens=32, repeats=3),
+                 coding_steps=10, coding_tokens=32, repeats=3, memory_workloads=("chat", "rag", "coding")),
 }
 
 
@@ -114,9 +114,11 @@ def run(args) -> dict:
     model, tokenizer, attention = load(args.threads)
     workloads = make_workloads(model, tokenizer, settings)
     workdir = Path(tempfile.mkdtemp(prefix="kvboost-bench-"))
-    spec = workdir / "workloads.json"
+    spec, memory_spec = workdir / "workloads.json", workdir / "memory-workloads.json"
     spec.write_text(json.dumps([w.to_json() for w in workloads]))
+    memory_spec.write_text(json.dumps([w.to_json() for w in workloads if w.name in settings["memory_workloads"]]))
     common = ["--workloads", str(spec), "--threads", str(args.threads)]
+    memory_args = ["--workloads", str(memory_spec), "--threads", str(args.threads)]
 
     systems, status = build_systems([s for s in wanted if s in MAIN_SYSTEMS], model, tokenizer, attention)
     groups = {"main": run_timing(systems, workloads, settings["repeats"])}
@@ -148,7 +150,7 @@ def run(args) -> dict:
             python = worker_python() if system_id == WORKER_SYSTEM else Path(sys.executable)
             log(f"peak memory: {system_id}")
             try:
-                memory[system_id] = run_worker(python, ["--worker", "memory", "--system", system_id, *common],
+                memory[system_id] = run_worker(python, ["--worker", "memory", "--system", system_id, *memory_args],
                                                workdir, f"memory-{system_id}")
             except RuntimeError as err:
                 memory[system_id] = {"status": f"failed: {err}"}
@@ -156,7 +158,8 @@ def run(args) -> dict:
     env.update(load_average_start=load_start, load_average_end=os.getloadavg()[0], wall_s=time.time() - started,
                baseline_attention=attention)
     return {
-        "benchmark": "sidebyside", "mode": mode, "settings": {**settings, "doc_counts": list(settings["doc_counts"])},
+        "benchmark": "sidebyside", "mode": mode, "settings": {**settings, "doc_counts": list(settings["doc_counts"]),
+                                                   "memory_workloads": list(settings["memory_workloads"])},
         "environment": env, "worker_environment": worker_env,
         "systems": {s: {"label": SYSTEMS[s].label, "package": SYSTEMS[s].package,
                         "version": version(SYSTEMS[s].package) if s != WORKER_SYSTEM or not worker_env

@@ -171,7 +171,7 @@ class KVBoostPyPI(System):
     """kvboost 0.9.0 from PyPI: its InferenceEngine on our model object, defaults except the
     cache budget (the same 2 GiB as ours), chunk-reuse mode, prompts as chat-template strings."""
 
-    id, label, package = "kvboost-pypi", "kvboost 0.9.0 (PyPI)", "kvboost"
+    id, label, package = "kvboost-pypi", "kvboost from PyPI", "kvboost"
     clock_on_lm_head = False
 
     def __init__(self, model, tokenizer):
