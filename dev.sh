@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets up .venv (idempotent), then runs a task.
 #   bash dev.sh demo     run the demo on the embedded default model
-#   bash dev.sh test     run the test suite
-#   bash dev.sh bench    run the benchmarks (slow; see benchmarks/README.md)
+#   bash dev.sh test     run the test suite (notebooks/ included)
+#   bash dev.sh bench    run the side-by-side benchmark (python -m benchmarks; --quick for a smoke test,
+#                        --readme to rewrite README.md's results from the run)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-STAMP=".venv/.kvboost-setup-$(cat pyproject.toml constraints.txt dev.sh | cksum | cut -d' ' -f1)"
+HASH=$(cat pyproject.toml constraints.txt dev.sh | cksum | cut -d' ' -f1)
+STAMP=".venv/.kvboost-setup-$HASH"
+# langchain-huggingface 1.2.3 needs huggingface-hub<2; our transformers pins use 2.x. The benchmark runs
+# it in its own venv, as a worker process, with these pins and huggingface_hub replaced:
+PEER_VENV=.venv-langchain-hf
+PEER_HUB=1.33.0
 
 setup() {
     if [ -f "$STAMP" ]; then return; fi
@@ -18,6 +24,23 @@ setup() {
     touch "$STAMP"
 }
 
+setup_bench() {
+    if [ ! -f ".venv/.kvboost-bench-$HASH" ]; then
+        .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[bench]"
+        touch ".venv/.kvboost-bench-$HASH"
+    fi
+    if [ ! -f "$PEER_VENV/.kvboost-setup-$HASH" ]; then
+        rm -rf "$PEER_VENV"
+        "$PYTHON" -m venv "$PEER_VENV"
+        "$PEER_VENV/bin/python" -m pip install --quiet --upgrade pip
+        "$PEER_VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+        grep -v '^huggingface_hub==' constraints.txt > "$PEER_VENV/constraints.txt"
+        echo "huggingface_hub==$PEER_HUB" >> "$PEER_VENV/constraints.txt"
+        "$PEER_VENV/bin/python" -m pip install --quiet -c "$PEER_VENV/constraints.txt" -e . "langchain-huggingface"
+        touch "$PEER_VENV/.kvboost-setup-$HASH"
+    fi
+}
+
 task=${1:-demo}
 shift || true
 setup
@@ -25,6 +48,6 @@ case "$task" in
     setup) ;;
     demo)  .venv/bin/python -m kvboost_engine.demo "$@" ;;
     test)  .venv/bin/python -m pytest -q "$@" ;;
-    bench) .venv/bin/python -m benchmarks "$@" ;;
+    bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;
     *) echo "usage: bash dev.sh [setup|demo|test|bench]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
-"""Run every benchmark: python -m benchmarks"""
-from . import multiturn
+"""python -m benchmarks: the side-by-side benchmark (see benchmarks/sidebyside.py; --quick for a smoke test)."""
+from . import sidebyside
 
 if __name__ == "__main__":
-    multiturn.main()
+    sidebyside.main()

@@ -26,5 +26,16 @@ def environment(model) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.date.today().isoformat(),
-        "load_average": os.getloadavg()[0],
+        "load_average": os.getloadavg()[0], "cpu_model": _cpu_model(),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

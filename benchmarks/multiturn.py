@@ -41,6 +41,7 @@ QUESTIONS = [
     "How much power does the H-420 deliver?", "What is its warranty?", "And the inverter's warranty?",
     "How long does installation take?", "Can I pay in installments?", "When is support open on Saturday?",
     "How heavy is the H-300?", "Do I need a roof inspection?",
+    "How many kilowatts can the Atlas inverter convert?", "Which panel is lighter, the H-300 or the H-420?",
 ]
 
 
