@@ -12,6 +12,12 @@ import torch.nn.functional as F
 from .pool import BlockPool
 
 
+# Up to this many keys, a sequence whose blocks form several runs copies them into one buffer per
+# layer and attends once (the copy is cheaper than a kernel call and an LSE merge per run); past
+# it, each run is attended in place and the results merged by log-sum-exp.
+GATHER_MAX_KEYS = 4096
+
+
 class PagedSequence:
     allocates = False           # giving KV to the cache shares blocks
 
@@ -112,9 +118,9 @@ class PagedSequence:
                q_range: tuple[int, int] = (0, 0), window: int | None = None):
         # query [1, H, N, D] at positions within q_range (inclusive) -> [1, H, N, D]
         runs = self.runs(end)
-        if len(runs) == 1:
-            tensor, slot, _, n = runs[0]
-            keys, values = tensor[0, layer, :, slot:slot + n][None], tensor[1, layer, :, slot:slot + n][None]
+        if len(runs) == 1 or end <= GATHER_MAX_KEYS:
+            keys, values = (_joined([tensor[i, layer, :, slot:slot + n] for tensor, slot, _, n in runs])[None]
+                            for i in (0, 1))
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                                   scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
         full = None
@@ -131,6 +137,10 @@ class PagedSequence:
             keys, values = tensor[0, layer, :, slot:slot + n][None], tensor[1, layer, :, slot:slot + n][None]
             parts.append(attend_with_lse(query, keys, values, run_mask, scaling))
         return merge_by_lse(parts)
+
+
+def _joined(views: list) -> torch.Tensor:
+    return views[0] if len(views) == 1 else torch.cat(views, dim=1)
 
 
 def attend_with_lse(query, keys, values, mask, scale):

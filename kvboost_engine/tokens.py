@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from .chunking import content_cuts
 from .prompt import Segment
 
+ENCODED_TOKENS = 2**18          # token ids of recent segment texts kept (with their cuts) for re-use
+
 
 @dataclass(slots=True)
 class TokenizedPrompt:
@@ -37,6 +39,8 @@ class PromptTokenizer:
         self.chunk_tokens = chunk_tokens
         self.memo_entries = memo_entries
         self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._encoded: OrderedDict[str, tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
+        self._encoded_tokens = 0
         self._lock = threading.Lock()
         self.special_prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])
 
@@ -49,10 +53,10 @@ class PromptTokenizer:
             ends.append(len(ids))
             kinds.append("glue")
         for seg in segments:
-            seg_ids = self._segment_ids(seg)
+            seg_ids, cuts = self._segment(seg)
             base = len(ids)
             ids.extend(seg_ids)
-            for cut in self.cuts(seg_ids):
+            for cut in cuts:
                 ends.append(base + cut)
                 kinds.append(seg.kind)
         return TokenizedPrompt(ids, ends, kinds)
@@ -62,16 +66,31 @@ class PromptTokenizer:
         average = max(8, self.chunk_tokens // 8)
         return content_cuts(token_ids, min_tokens=average // 2, avg_tokens=average, max_tokens=self.chunk_tokens)
 
-    def _segment_ids(self, seg: Segment) -> list[int]:
+    def _segment(self, seg: Segment) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(token ids, chunk cuts) of one segment; recent texts come from a bounded memo (a chat
+        re-sends the same system prompt and history on every turn)."""
         if not seg.text:
-            return []
-        if seg.kind == "assistant":
-            with self._lock:
+            return (), ()
+        with self._lock:
+            if seg.kind == "assistant":
                 remembered = self._memo.get(seg.text)
                 if remembered is not None:
                     self._memo.move_to_end(seg.text)
-                    return list(remembered)
-        return list(self.tokenizer(seg.text, add_special_tokens=False)["input_ids"])
+                    return remembered, tuple(self.cuts(list(remembered)))
+            known = self._encoded.get(seg.text)
+            if known is not None:
+                self._encoded.move_to_end(seg.text)
+                return known
+        seg_ids = tuple(self.tokenizer(seg.text, add_special_tokens=False)["input_ids"])
+        known = (seg_ids, tuple(self.cuts(list(seg_ids))))
+        if len(seg_ids) <= ENCODED_TOKENS // 4:
+            with self._lock:
+                if seg.text not in self._encoded:
+                    self._encoded[seg.text] = known
+                    self._encoded_tokens += len(seg_ids)
+                while self._encoded_tokens > ENCODED_TOKENS:
+                    self._encoded_tokens -= len(self._encoded.popitem(last=False)[1][0])
+        return known
 
     def remember_reply(self, text: str, token_ids: list[int]) -> None:
         """Record that `token_ids` (decoding to exactly `text`) is what the model generated."""

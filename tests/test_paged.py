@@ -34,6 +34,18 @@ def test_paged_chat_is_token_identical_to_contiguous(smol):
     paged.cache.check_invariants()
 
 
+def test_paged_chat_attending_run_by_run_is_token_identical(smol, monkeypatch):
+    """Short sequences over several block runs gather the runs into one buffer; long ones attend
+    each run in place and merge by log-sum-exp. Force the second path on the chat replay."""
+    import kvboost_engine.paged as paged_module
+    model, tokenizer = smol
+    contiguous = chat_replay(Engine(model, tokenizer, paged=False), turns=4)
+    monkeypatch.setattr(paged_module, "GATHER_MAX_KEYS", 0)
+    engine = Engine(model, tokenizer, paged=True)
+    assert chat_replay(engine, turns=4) == contiguous
+    assert engine.stats()["reused_tokens"] > 0
+
+
 def test_paged_long_prompt_is_token_identical_to_contiguous(smol):
     model, tokenizer = smol
     text = " ".join(f"Line {i}: the value of item {i} is {i * 7 % 97}." for i in range(330))
