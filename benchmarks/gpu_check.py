@@ -8,12 +8,15 @@ model's tokenizer (`--tokenizer DIR`). Prints one JSON object:
   rope        RoPE re-rotation on CUDA tensors vs the model's rotary (max error)
   attention   which SDPA kernels torch reports, whether flash-attn is importable
   speed       TTFT cold vs warm at turn 4; decode tok/s of engine.chat vs model.generate
+  kv_cpu      kv_device="cpu" (weights on the GPU, KV in pinned CPU pages): same tokens as KV on the
+              GPU (chat replay and moved reuse), decode tok/s and GPU memory at a long context
 
-    python -m benchmarks.gpu_check --tokenizer DIR [--out FILE]
+    python -m benchmarks.gpu_check --tokenizer DIR [--out FILE] [--checks kv_cpu,speed,...]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -159,19 +162,60 @@ def check_speed(model, tokenizer) -> dict:
             "transformers_decode_tok_s": 127 / hf_decode, "engine_decode_tok_s": 127 / ours}
 
 
+def check_kv_cpu(model, tokenizer) -> dict:
+    on_gpu, on_cpu = replay(Engine(model, tokenizer)), replay(Engine(model, tokenizer, kv_device="cpu"))
+    engine = Engine(model, tokenizer, kv_device="cpu")
+    out = {"pool_device": str(engine.cache.pool.ram.device), "pool_pinned": engine.cache.pool.ram.is_pinned(),
+           "identical_tokens": all(a.token_ids == b.token_ids for (a, _), (b, _) in zip(on_gpu, on_cpu)),
+           "max_logit_diff": max(float((la - lb).abs().max()) for (_, la), (_, lb) in zip(on_gpu, on_cpu)),
+           "reused_per_turn": [b.reused_tokens for b, _ in on_cpu]}
+    docs = [f"Document {i}: " + " ".join(f"fact {i}.{j} is {i * j}." for j in range(30)) for i in range(5)]
+
+    def messages(order):
+        parts = [{"type": "document", "text": docs[i]} for i in order] + [{"type": "text", "text": "Which fact?"}]
+        return [{"role": "user", "content": parts}]
+
+    moved = {}
+    for name, options in {"gpu": {}, "cpu": {"kv_device": "cpu"}}.items():
+        e = Engine(model, tokenizer, **options)
+        e.chat(messages(range(5)), max_new_tokens=1)
+        g = e.chat(messages([3, 1, 4, 0, 2]), max_new_tokens=8, ignore_eos=True)
+        moved[name] = (g.token_ids, g.reused_moved, g.recomputed)
+    out["moved_identical_tokens"] = moved["gpu"][0] == moved["cpu"][0]
+    out["moved_reused_recomputed"] = [moved["cpu"][1], moved["cpu"][2]]
+    prompt = "Measure the instrument carefully. " * 900                    # about 6k tokens
+    for name, options in {"gpu": {}, "cpu": {"kv_device": "cpu"}}.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()                                 # weights (and nothing else)
+        e = Engine(model, tokenizer, cache_bytes=0, **options)
+        runs = [e.generate(prompt, max_new_tokens=64, ignore_eos=True) for _ in range(2)]
+        out[f"long_{name}"] = {"prompt_tokens": runs[-1].prompt_tokens, "ttft_s": runs[-1].ttft_s,
+                               "decode_tok_s": 63 / (runs[-1].total_s - runs[-1].ttft_s),
+                               "peak_gpu_bytes_over_weights": torch.cuda.max_memory_allocated() - base,
+                               "tokens": runs[-1].token_ids[:8]}
+        del e, runs
+    out["long_identical_first_tokens"] = out["long_gpu"]["tokens"] == out["long_cpu"]["tokens"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny model (to try the script on a CPU)")
+    parser.add_argument("--checks", default="exactness,paged,moved,rope,speed,kv_cpu")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = build_model(args.device, args.small)
     result = {"attention": check_attention() if args.device == "cuda" else {}}
     for name, fn in (("exactness", lambda: check_exactness(model, tokenizer)), ("paged", lambda: check_paged(model, tokenizer)),
                      ("moved", lambda: check_moved(model, tokenizer)), ("rope", lambda: check_rope(model)),
-                     ("speed", lambda: check_speed(model, tokenizer))):
+                     ("speed", lambda: check_speed(model, tokenizer)), ("kv_cpu", lambda: check_kv_cpu(model, tokenizer))):
+        if name not in args.checks.split(","):
+            continue
         try:
             result[name] = fn()
         except Exception as err:  # noqa: BLE001 - one failing check must not hide the others

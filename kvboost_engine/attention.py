@@ -18,10 +18,11 @@ ATTENTION_NAME = "kvboost"
 class AttentionStep:
     """One forward over new tokens at positions start..end, reading KV of 0..end."""
 
-    __slots__ = ("kv", "start", "end", "masks", "layer_windows", "_explicit")
+    __slots__ = ("kv", "device", "start", "end", "masks", "layer_windows", "_explicit")
 
     def __init__(self, kv, start: int, end: int, layer_windows: tuple):
         self.kv = kv
+        self.device = _device(kv)
         self.start = start
         self.end = end
         self.layer_windows = layer_windows
@@ -58,11 +59,12 @@ class ScatterStep:
     """
 
     QUERY_PIECE = 1024
-    __slots__ = ("kv", "positions", "end", "layer_windows", "measure", "deviation", "_masks")
+    __slots__ = ("kv", "device", "positions", "end", "layer_windows", "measure", "deviation", "_masks")
 
     def __init__(self, kv, positions: torch.Tensor, end: int, layer_windows: tuple, measure: bool,
                  masks: dict | None = None):
         self.kv = kv
+        self.device = _device(kv)
         self.positions = positions                      # [A] ascending absolute positions
         self.end = end
         self.layer_windows = layer_windows
@@ -89,7 +91,7 @@ class ScatterStep:
     def _mask(self, lo: int, piece: torch.Tensor, window):
         key = (lo, len(piece), int(piece[0]), window)
         if key not in self._masks:
-            self._masks[key] = explicit_mask(piece, int(piece[-1]) + 1, window)
+            self._masks[key] = explicit_mask(piece.to(self.device), int(piece[-1]) + 1, window)
         return self._masks[key]
 
 
@@ -121,6 +123,10 @@ def kvboost_attention(module, query, key, value, attention_mask, scaling=None, d
     step = kwargs.pop("kvboost_step", None)
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if query.device != step.device:         # KV pages elsewhere (kv_device="cpu"): attend there
+        out = step.attend(module.layer_idx, query.to(step.device), key.to(step.device), value.to(step.device),
+                          scaling)
+        return out.to(query.device), None
     return step.attend(module.layer_idx, query, key, value, scaling), None
 
 

@@ -9,6 +9,7 @@ DEFAULT_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CHUNK_TOKENS = 256
 MOVED_STRATEGIES = ("blend", "none", "full")
 DEFAULT_DISK_BYTES = 8 * 1024**3
+KV_DEVICES = (None, "cpu")
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +36,10 @@ class EngineConfig:
     disk_cache_dir / disk_cache_bytes: a disk tier: cached chunks are written there (checksummed,
         atomic), found again after eviction or a restart, and requests longer than the pool
         spill to a file there instead of being refused.
+    kv_device: None (default): KV lives on the model's device. "cpu": KV pages live in CPU RAM
+        (pinned when the model is on CUDA) and attention runs there, while the weights stay on
+        the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
+        does not fit on the GPU. Implies paged KV.
     disk_kv_int8: store chunks on disk as int8 (per-channel keys, per-token values): about a
         quarter of fp32 on disk and to read; chunks read back are approximations (inexact).
     """
@@ -53,6 +58,7 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     disk_kv_int8: bool = False
+    kv_device: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
@@ -73,5 +79,9 @@ class EngineConfig:
             raise InputError(f"block_tokens must be >= 1, got {self.block_tokens!r}")
         if self.kv_pool_bytes is not None and self.kv_pool_bytes < 0:
             raise InputError(f"kv_pool_bytes must be >= 0, got {self.kv_pool_bytes!r}")
+        if self.kv_device not in KV_DEVICES:
+            raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
+        if self.kv_device == "cpu" and self.paged is False:
+            raise InputError("kv_device='cpu' keeps KV in CPU pages: it needs paged KV (paged=None or True)")
         if self.disk_cache_bytes < 0:
             raise InputError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes!r}")

@@ -49,7 +49,8 @@ class Engine:
         self.adapter = adapter
         self.fingerprint = model_fingerprint(model, adapter.rope_settings())
         if self.config.paged is None:
-            self.config = dataclasses.replace(self.config, paged=adapter.device.type == "cpu")
+            paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
+            self.config = dataclasses.replace(self.config, paged=paged)
         self.disk = _disk_tier(self.config, self.fingerprint)
         codec = Int8Codec(adapter.geometry) if self.config.disk_kv_int8 else None
         self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, _pool(self.config, adapter), self.disk,
@@ -224,8 +225,10 @@ def _pool(config: EngineConfig, adapter: ModelAdapter) -> BlockPool:
     running = 2 * per_request if config.paged else 0    # contiguous requests bring their own buffers
     ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + running
     spill_dir = os.path.join(config.disk_cache_dir, "spill") if config.disk_cache_dir else None
-    return BlockPool(adapter.geometry, ram, adapter.device, block_tokens=config.block_tokens,
-                     spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0)
+    device = torch.device(config.kv_device) if config.kv_device else adapter.device
+    pin = device.type == "cpu" and adapter.device.type == "cuda"      # fast, async-capable copies
+    return BlockPool(adapter.geometry, ram, device, block_tokens=config.block_tokens,
+                     spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0, pin_memory=pin)
 
 
 def _disk_tier(config: EngineConfig, fingerprint: bytes):

@@ -25,7 +25,7 @@ from .errors import BudgetError
 
 class BlockPool:
     def __init__(self, geometry: KVGeometry, budget_bytes: int, device, *, block_tokens: int = 16,
-                 spill_dir: str | None = None, spill_bytes: int = 0):
+                 spill_dir: str | None = None, spill_bytes: int = 0, pin_memory: bool = False):
         self.geometry = geometry
         self.block_tokens = block_tokens
         self.block_bytes = block_tokens * geometry.bytes_per_token
@@ -33,7 +33,7 @@ class BlockPool:
         self.spill_blocks = spill_bytes // self.block_bytes if spill_dir else 0
         g, b = geometry, block_tokens
         self.ram = torch.empty(2, g.num_layers, g.kv_heads, max(self.ram_blocks, 1) * b, g.head_dim,
-                               dtype=g.dtype, device=device)
+                               dtype=g.dtype, device=device, pin_memory=pin_memory)
         self.spill = _spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks else None
         total = self.ram_blocks + self.spill_blocks
         self.refs = np.zeros(total, dtype=np.int64)

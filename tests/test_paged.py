@@ -142,3 +142,17 @@ def test_disk_tier_survives_restart_and_corrupt_files_are_never_served(tmp_path)
     third = run_process(tmp_path, system)
     assert third["ids"] == first["ids"]
     assert third["reused"] < second["reused"]
+
+
+def test_kv_device_cpu_option(smol):
+    """kv_device="cpu" keeps KV in CPU pages (weights elsewhere; checked on CUDA by
+    benchmarks/gpu_check.py --checks kv_cpu). On a CPU model it is the default paged path."""
+    from kvboost_engine import InputError
+    from kvboost_engine.config import EngineConfig
+    engine = Engine(*smol, kv_device="cpu", paged=None)
+    assert engine.config.paged and engine.cache.pool.ram.device.type == "cpu"
+    assert engine.generate("Hello there", max_new_tokens=3).token_ids
+    with pytest.raises(InputError, match="kv_device"):
+        EngineConfig(kv_device="cuda")
+    with pytest.raises(InputError, match="needs paged"):
+        EngineConfig(kv_device="cpu", paged=False)
