@@ -110,8 +110,8 @@ def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingPar
         raise
     finally:
         try:
-            if valid > n:
-                store(parts, prompt, kv, valid, exact_upto, gen.token_ids[:valid - n])
+            if valid > n:       # decode KV of the reply extends an exact prompt exactly
+                store(parts, prompt, kv, valid, valid if exact_upto >= n else exact_upto, gen.token_ids[:valid - n])
         finally:
             kv.release()
     gen.text = text.final_text

@@ -39,6 +39,7 @@ def test_eight_turn_chat_is_token_identical_with_and_without_cache(engine, cold_
         assert gc.reused_tokens == 0
         if turn >= 2:
             assert gw.reused_tokens >= gw.prompt_tokens - (new_tail_tokens(prompt) + 2), f"turn {turn}"
+            assert gw.reused_exact == gw.reused_tokens, f"turn {turn}"      # replies' decode KV is exact
     assert engine.stats()["hits"] > 0 and cold_engine.stats()["bytes_used"] == 0
     engine.cache.check_invariants()
 
