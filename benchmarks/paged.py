@@ -101,15 +101,23 @@ options = {"contiguous": dict(paged=False, cache_bytes=0),
            "paged_no_disk": dict(cache_bytes=0, kv_pool_bytes=128 * 2**20),
            "paged_disk": dict(cache_bytes=0, kv_pool_bytes=128 * 2**20, disk_cache_dir=directory)}[mode]
 engine = Engine(model, tokenizer, **options)
+def status():
+    return dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+before = status()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                    # reset the peak (VmHWM): measure the request, not the model load
 try:
     g = engine.generate(prompt, max_new_tokens=64, ignore_eos=True)
     result = {"ran": True, "prompt_tokens": g.prompt_tokens, "token_ids": g.token_ids, "ttft_s": g.ttft_s}
 except BudgetError as err:
     result = {"ran": False, "error": str(err)}
-status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-result["rss_anon_mb_at_end"] = int(status["RssAnon"].split()[0]) / 1024
-result["rss_file_mb_at_end"] = int(status["RssFile"].split()[0]) / 1024
+after = status()
+result["peak_rss_mb_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # includes loading
+result["rss_mb_before_request"] = int(before["VmRSS"].split()[0]) / 1024
+result["peak_rss_mb_during_request"] = int(after["VmHWM"].split()[0]) / 1024
+result["peak_rss_mb_request_over_before"] = result["peak_rss_mb_during_request"] - result["rss_mb_before_request"]
+result["rss_anon_mb_at_end"] = int(after["RssAnon"].split()[0]) / 1024
+result["rss_file_mb_at_end"] = int(after["RssFile"].split()[0]) / 1024
 result["kv_bytes_needed"] = (8000 + 64) * 46080
 print(json.dumps(result))
 """

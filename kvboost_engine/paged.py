@@ -15,7 +15,7 @@ from .pool import BlockPool
 # Up to this many keys, a sequence whose blocks form several runs copies them into one buffer per
 # layer and attends once (the copy is cheaper than a kernel call and an LSE merge per run); past
 # it, each run is attended in place and the results merged by log-sum-exp.
-GATHER_MAX_KEYS = 4096
+GATHER_MAX_KEYS = 2048
 
 
 class PagedSequence:
