@@ -105,7 +105,8 @@ def summarise(awq: str, resident: dict, streaming: dict, base: dict) -> dict:
     layer_bytes = s["resident_layer_bytes"] + s["streamed_layer_bytes"]
     overhead = base["peak_rss_bytes"] + s["dense_weight_bytes"]
     return {
-        "model": awq, "machine": "2 shared CPU cores (other agents running); torch threads 2; fp32 activations",
+        "model": awq, "machine": f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end; torch threads 2; "
+                   "fp32 activations",
         "identical_greedy_tokens": resident["token_ids"] == streaming["token_ids"],
         "resident_tok_s": resident["decode_tok_s"], "streaming_tok_s": streaming["decode_tok_s"],
         "streaming_over_resident": streaming["decode_tok_s"] / resident["decode_tok_s"],
