@@ -15,7 +15,7 @@ reply with no-cache's, mean KL(no-cache || config) of the first answer token, re
 median TTFT and TTFT speedup over no-cache, and the cost model's prediction for blend.
 Questions run interleaved over configurations so machine noise hits all of them alike.
 
-Run: python -m benchmarks.moved_quality [--questions 200 --out benchmarks/results/moved_quality.json]
+Run: python -m benchmarks.moved_quality [--questions 200 --seed 0 --ratios 0.05,0.15,0.3 --out benchmarks/results/moved_quality.json]
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def messages_for(documents, question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
 
 
-def engines(model, tokenizer, budget: int) -> dict[str, Engine]:
+def engines(model, tokenizer, budget: int, ratios=RATIOS) -> dict[str, Engine]:
     configs = {"no-cache": dict(cache_bytes=0), "exact": dict(moved_reuse="full"), "none": dict(moved_reuse="none")}
-    configs.update({f"blend-{r}": dict(recompute_ratio=r) for r in RATIOS})
+    configs.update({f"blend-{r}": dict(recompute_ratio=r) for r in ratios})
     configs["full"] = dict(recompute_ratio=1.0)
     return {name: Engine(model, tokenizer, **{"cache_bytes": budget, **opts}) for name, opts in configs.items()}
 
@@ -82,11 +82,11 @@ def summarise(name: str, rows: list[dict], reference: list[dict], layers: int) -
     return summary
 
 
-def run(questions: int, budget: int) -> dict:
+def run(questions: int, budget: int, seed: int = 0, ratios=RATIOS) -> dict:
     model, tokenizer = load_default()
-    docs, items = build()
+    docs, items = build(seed=seed)
     items = items[:questions]
-    configs = engines(model, tokenizer, budget)
+    configs = engines(model, tokenizer, budget, ratios)
     for engine in configs.values():
         warm_up(engine, docs)
     results = {name: [] for name in configs}
@@ -100,7 +100,7 @@ def run(questions: int, budget: int) -> dict:
     for rows in results.values():
         for row in rows:
             row.pop("logits")
-    return {"benchmark": "moved_quality", "environment": environment(model), "questions": len(items),
+    return {"benchmark": "moved_quality", "environment": environment(model), "seed": seed, "ratios": list(ratios), "questions": len(items),
             "summary": summaries, "answers": {n: [r["text"] for r in rows] for n, rows in results.items()}}
 
 
@@ -109,7 +109,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = {s["config"]: s for s in result["summary"]}
-    points = [("none", 0.0)] + [(f"blend-{r}", r) for r in RATIOS] + [("full", 1.0)]
+    points = [("none", 0.0)] + [(f"blend-{r}", r) for r in result.get("ratios", RATIOS)] + [("full", 1.0)]
     xs = [x for _, x in points]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(xs, [rows[n]["accuracy"] for n, _ in points], "o-", label="moved reuse")
@@ -130,9 +130,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--cache-gib", type=float, default=1.5)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="QA set seed (0: the acceptance set; others: held-out sets of 200 more questions)")
+    parser.add_argument("--ratios", default=",".join(map(str, RATIOS)),
+                        help="blend recompute ratios to run, comma-separated (default %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/moved_quality.json")
     args = parser.parse_args(argv)
-    result = run(args.questions, int(args.cache_gib * 2**30))
+    ratios = tuple(float(r) for r in args.ratios.split(",") if r.strip())
+    if not ratios or not all(0 < r < 1 for r in ratios):
+        parser.error("--ratios: comma-separated values between 0 and 1 (exclusive)")
+    result = run(args.questions, int(args.cache_gib * 2**30), args.seed, ratios)
     for s in result["summary"]:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
     out = Path(args.out)

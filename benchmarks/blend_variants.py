@@ -1,0 +1,149 @@
+"""Research harness: variants of blend's token selection on the moved-reuse QA set, each against
+no cache in the same run (accuracy, agreement, first-token KL, TTFT speedup).
+
+It swaps `Forward.scattered` for a version whose selection is set per variant, so alternatives
+can be compared without changing the engine:
+
+  layers  [[layer, ratio], ...]  check layers and the moved share kept after each (progressive
+                                 narrowing); default [[check_layer, recompute_ratio]] = the engine's
+  dev     "kv" (engine) | "k" | "v" | "kv-norm": which deviation ranks tokens
+  query   share of the budget chosen by the attention the new tokens pay to moved tokens at the
+          check layer (query-aware); the rest by deviation
+  opts    Engine options (recompute_ratio, recompute_head_tokens, check_layer, moved_reuse...)
+  alone   warm the cache with each document alone (default: five per prompt, as moved_quality)
+
+Run: python -m benchmarks.blend_variants --seed 1 '{}' '{"sel": {"dev": "v"}}' '{"alone": true}'
+Not part of the test suite; the engine's selection is in kvboost_engine/blend.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from kvboost_engine import Engine
+from kvboost_engine import forward as forward_module
+from kvboost_engine.attention import ScatterStep
+
+from ._common import load_default
+from .moved_quality import ask, kl, messages_for, warm_up
+from .qa_data import build
+
+_variant: dict = {}
+
+
+class _Step(ScatterStep):
+    __slots__ = ("mode", "query_mass", "new_tokens")
+
+    def attend(self, layer, query, keys, values, scaling):
+        measuring, self.measure = self.measure, False
+        if measuring:
+            cached_k, cached_v = self.kv.gather(layer, self.positions)
+            dk = ((keys - cached_k) ** 2).sum((0, 1, 3))
+            dv = ((values - cached_v) ** 2).sum((0, 1, 3))
+            self.deviation = {"kv": dk + dv, "k": dk, "v": dv}.get(self.mode, dk / dk.mean() + dv / dv.mean())
+        out = super().attend(layer, query, keys, values, scaling)
+        if measuring and self.new_tokens is not None and self.new_tokens.any():
+            all_keys, _ = self.kv.gather(layer, torch.arange(self.end))
+            all_keys = all_keys.repeat_interleave(query.shape[1] // all_keys.shape[1], 1)
+            q_pos = self.positions[self.new_tokens]
+            scores = (query[:, :, self.new_tokens] @ all_keys.transpose(-1, -2)) * scaling
+            scores = scores.masked_fill(torch.arange(self.end)[None, :] > q_pos[:, None], float("-inf"))
+            self.query_mass = torch.softmax(scores.float(), -1).sum((0, 1, 2))[self.positions]
+        self.measure = measuring
+        return out
+
+
+def _choose(moved, head, score, budget):
+    chosen = ~moved | head
+    candidates = moved & ~head
+    extra = max(0, budget - int((moved & head).sum()))
+    if extra and candidates.any():
+        ranked = torch.where(candidates, score.float(), torch.tensor(float("-inf")))
+        chosen[torch.topk(ranked, min(extra, int(candidates.sum()))).indices] = True
+    return chosen
+
+
+@torch.inference_mode()
+def _scattered(self, kv, token_ids, positions, end, selector=None):
+    if selector is None:
+        return _original(self, kv, token_ids, positions, end, None)
+    a, sel = self.adapter, _variant.get("sel", {})
+    schedule = dict((int(l), float(r)) for l, r in sel.get("layers", [[selector.layer, selector.ratio]]))
+    moved, head = selector.moved.clone(), selector.head.clone()
+    total = int(moved.sum())
+    hidden = a.embed(torch.tensor(token_ids, dtype=torch.long)[positions][None])
+    masks: dict = {}
+    for layer in range(len(a.layers)):
+        step = _Step(kv, positions, end, a.layer_windows, layer in schedule, masks)
+        step.mode, step.query_mass = sel.get("dev", "kv"), None
+        step.new_tokens = ~moved if layer in schedule and sel.get("query", 0) > 0 else None
+        hidden = a.run_layer(layer, hidden, a.position_embeddings(hidden, positions[None]), positions[None], step)
+        if layer in schedule:
+            budget = math.ceil(schedule[layer] * total)
+            if step.query_mass is not None:
+                by_query = _choose(moved, head, step.query_mass, math.ceil(sel["query"] * budget) + int((moved & head).sum()))
+                chosen = _choose(moved, head | by_query, step.deviation, budget)
+            else:
+                chosen = _choose(moved, head, step.deviation, budget)
+            keep = torch.nonzero(chosen).flatten()
+            hidden, positions, moved, head = hidden[:, keep], positions[keep], moved[keep], head[keep]
+            masks = {}
+    selector.recomputed_moved = int(moved.sum())
+    return a.logits_last(hidden)
+
+
+_original = forward_module.Forward.scattered
+
+
+def main(argv=None) -> None:
+    global _variant
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="+", help="JSON objects: {'sel': {...}, 'opts': {...}, 'alone': bool}")
+    parser.add_argument("--seed", type=int, default=1, help="QA set seed (default 1: held out from moved_quality's 0)")
+    parser.add_argument("--questions", type=int, default=200)
+    parser.add_argument("--cache-gib", type=float, default=1.5)
+    args = parser.parse_args(argv)
+    variants = [json.loads(v) for v in args.variants]
+    forward_module.Forward.scattered = _scattered
+    model, tokenizer = load_default()
+    docs, items = build(seed=args.seed)
+    items = items[:args.questions]
+    cold = Engine(model, tokenizer, cache_bytes=0)
+    runs = []
+    for variant in variants:
+        engine = Engine(model, tokenizer, cache_bytes=int(args.cache_gib * 2**30), **variant.get("opts", {}))
+        _variant = variant
+        if variant.get("alone"):
+            for doc in docs:
+                engine.chat(messages_for([doc], "Which organisations are described?"), max_new_tokens=1)
+        else:
+            warm_up(engine, docs)
+        runs.append((variant, engine, []))
+    reference, started = [], time.time()
+    for i, question in enumerate(items):
+        reference.append(ask(cold, question))
+        for variant, engine, rows in runs:
+            _variant = variant
+            rows.append(ask(engine, question))
+        if i % 25 == 0:
+            print(f"question {i}, {time.time() - started:.0f} s", flush=True)
+    print(json.dumps({"variant": "no-cache", "accuracy": statistics.mean(r["correct"] for r in reference)}))
+    for variant, _, rows in runs:
+        pairs = list(zip(rows, reference))
+        print(json.dumps({
+            "variant": variant, "accuracy": statistics.mean(r["correct"] for r in rows),
+            "agreement": statistics.mean(r["text"] == b["text"] for r, b in pairs),
+            "mean_kl_first_token": round(statistics.mean(kl(b["logits"], r["logits"]) for r, b in pairs), 4),
+            "gained": sum(r["correct"] and not b["correct"] for r, b in pairs),
+            "lost": sum(b["correct"] and not r["correct"] for r, b in pairs),
+            "recomputed_share_of_moved": round(sum(r["recomputed"] for r in rows) / max(1, sum(r["reused_moved"] for r in rows)), 3),
+            "median_ttft_speedup": round(statistics.median(b["ttft_s"] / r["ttft_s"] for r, b in pairs), 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
