@@ -2,7 +2,8 @@
 no cache in the same run (accuracy, agreement, first-token KL, TTFT speedup).
 
 It swaps `Forward.scattered` for a version whose selection is set per variant, so alternatives
-can be compared without changing the engine:
+can be compared without changing the engine. Correct answers are also split by where the
+answering document sits in the prompt and where it sat when first cached.
 
   layers  [[layer, ratio], ...]  check layers and the moved share kept after each (progressive
                                  narrowing); default [[check_layer, recompute_ratio]] = the engine's
@@ -142,7 +143,22 @@ def main(argv=None) -> None:
             "gained": sum(r["correct"] and not b["correct"] for r, b in pairs),
             "lost": sum(b["correct"] and not r["correct"] for r, b in pairs),
             "recomputed_share_of_moved": round(sum(r["recomputed"] for r in rows) / max(1, sum(r["reused_moved"] for r in rows)), 3),
-            "median_ttft_speedup": round(statistics.median(b["ttft_s"] / r["ttft_s"] for r, b in pairs), 2)}), flush=True)
+            "median_ttft_speedup": round(statistics.median(b["ttft_s"] / r["ttft_s"] for r, b in pairs), 2),
+            # correct answers split by where the answering document sits in the question's prompt,
+            # and by where it sat when it was first cached (its place in its five-document warm-up prompt)
+            "correct_by_prompt_position": _split(rows, [q.gold for q in items]),
+            "correct_by_cached_position": _split(rows, [docs.index(q.documents[q.gold]) % 5 for q in items])}),
+            flush=True)
+    print(json.dumps({"no-cache correct_by_prompt_position": _split(reference, [q.gold for q in items]),
+                      "no-cache correct_by_cached_position": _split(reference, [docs.index(q.documents[q.gold]) % 5 for q in items]),
+                      "questions_by_prompt_position": _split([{"correct": True}] * len(items), [q.gold for q in items])}))
+
+
+def _split(rows: list[dict], keys: list[int]) -> list[int]:
+    counts = [0] * 5
+    for row, key in zip(rows, keys):
+        counts[key] += bool(row["correct"])
+    return counts
 
 
 if __name__ == "__main__":
