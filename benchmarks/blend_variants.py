@@ -145,7 +145,8 @@ def main(argv=None) -> None:
             "recomputed_share_of_moved": round(sum(r["recomputed"] for r in rows) / max(1, sum(r["reused_moved"] for r in rows)), 3),
             "median_ttft_speedup": round(statistics.median(b["ttft_s"] / r["ttft_s"] for r, b in pairs), 2),
             # correct answers split by where the answering document sits in the question's prompt,
-            # and by where it sat when it was first cached (its place in its five-document warm-up prompt)
+            # and by where it sat when it was first cached (its place in its five-document warm-up
+            # prompt; for `alone` variants the same grouping, though each document was cached alone)
             "correct_by_prompt_position": _split(rows, [q.gold for q in items]),
             "correct_by_cached_position": _split(rows, [docs.index(q.documents[q.gold]) % 5 for q in items])}),
             flush=True)
