@@ -46,7 +46,8 @@ class _Step(ScatterStep):
             cached_k, cached_v = self.kv.gather(layer, self.positions)
             dk = ((keys - cached_k) ** 2).sum((0, 1, 3))
             dv = ((values - cached_v) ** 2).sum((0, 1, 3))
-            self.deviation = {"kv": dk + dv, "k": dk, "v": dv}.get(self.mode, dk / dk.mean() + dv / dv.mean())
+            self.deviation = {"kv": dk + dv, "k": dk, "v": dv}.get(self.mode) if self.mode != "kv-norm" \
+                else dk / dk.mean() + dv / dv.mean()
         out = super().attend(layer, query, keys, values, scaling)
         if measuring and self.new_tokens is not None and self.new_tokens.any():
             all_keys, _ = self.kv.gather(layer, torch.arange(self.end))
@@ -77,7 +78,8 @@ def _scattered(self, kv, token_ids, positions, end, selector=None):
     schedule = dict((int(l), float(r)) for l, r in sel.get("layers", [[selector.layer, selector.ratio]]))
     moved, head = selector.moved.clone(), selector.head.clone()
     total = int(moved.sum())
-    hidden = a.embed(torch.tensor(token_ids, dtype=torch.long)[positions][None])
+    positions = positions.to(a.device)
+    hidden = a.embed(torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None])
     masks: dict = {}
     for layer in range(len(a.layers)):
         step = _Step(kv, positions, end, a.layer_windows, layer in schedule, masks)
@@ -109,7 +111,10 @@ def main(argv=None) -> None:
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--cache-gib", type=float, default=1.5)
     args = parser.parse_args(argv)
-    variants = [json.loads(v) for v in args.variants]
+    try:
+        variants = [_checked(json.loads(v)) for v in args.variants]
+    except (ValueError, TypeError) as err:
+        parser.error(f"variant: {err}")
     forward_module.Forward.scattered = _scattered
     model, tokenizer = load_default()
     docs, items = build(seed=args.seed)
@@ -153,6 +158,20 @@ def main(argv=None) -> None:
     print(json.dumps({"no-cache correct_by_prompt_position": _split(reference, [q.gold for q in items]),
                       "no-cache correct_by_cached_position": _split(reference, [docs.index(q.documents[q.gold]) % 5 for q in items]),
                       "questions_by_prompt_position": _split([{"correct": True}] * len(items), [q.gold for q in items])}))
+
+
+def _checked(variant) -> dict:
+    """A variant as parsed JSON, with unknown keys and values refused (a typo would run the default)."""
+    if not isinstance(variant, dict) or set(variant) - {"sel", "opts", "alone"}:
+        raise ValueError(f"expected an object with keys sel, opts, alone; got {variant!r}")
+    sel = variant.get("sel", {})
+    if not isinstance(sel, dict) or set(sel) - {"layers", "dev", "query"}:
+        raise ValueError(f"sel takes layers, dev, query; got {sel!r}")
+    if sel.get("dev", "kv") not in ("kv", "k", "v", "kv-norm"):
+        raise ValueError(f"dev must be kv, k, v or kv-norm; got {sel['dev']!r}")
+    if not 0 <= sel.get("query", 0) <= 1:
+        raise ValueError(f"query must be in [0, 1]; got {sel['query']!r}")
+    return variant
 
 
 def _split(rows: list[dict], keys: list[int]) -> list[int]:
