@@ -45,7 +45,7 @@ from kvboost_engine.attention import AttentionStep, ScatterStep
 from kvboost_engine.kv import SequenceKV
 
 from ._common import load_default
-from .moved_quality import ask, kl, messages_for, warm_up
+from .moved_quality import ask, kl, messages_for, paired_gap, warm_up
 from .qa_data import build
 
 _variant: dict = {}
@@ -249,8 +249,10 @@ def main(argv=None) -> None:
     print(json.dumps({"variant": "no-cache", "accuracy": statistics.mean(r["correct"] for r in reference)}))
     for variant, _, rows in runs:
         pairs = list(zip(rows, reference))
+        gap, gap_se = paired_gap([r["correct"] for r in rows], [b["correct"] for b in reference])
         print(json.dumps({
             "variant": variant, "accuracy": statistics.mean(r["correct"] for r in rows),
+            "gap": round(gap, 4), "gap_se": round(gap_se, 4),
             "agreement": statistics.mean(r["text"] == b["text"] for r, b in pairs),
             "mean_kl_first_token": round(statistics.mean(kl(b["logits"], r["logits"]) for r, b in pairs), 4),
             "gained": sum(r["correct"] and not b["correct"] for r, b in pairs),

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks import aggregate, coding_data, report
+from benchmarks.moved_quality import paired_gap
 from benchmarks.workloads import Workload, chat_workload, coding_workload, flat_messages, rag_workload
 
 
@@ -107,3 +108,16 @@ def test_report_table_plots_and_readme(tmp_path, monkeypatch):
     report.update_readme(result, readme, path)
     updated = readme.read_text()
     assert "old" not in updated and "275 (250–300)" in updated and updated.endswith(f"{report.END}\nafter\n")
+
+
+def test_paired_gap_counts_only_discordant_answers():
+    same = [True, False, True, False]
+    assert paired_gap(same, same) == (0.0, 0.0)
+    # 2 lost, 1 gained out of 10: gap -0.1; d has mean -0.1 and E[d^2] 0.3
+    config = [False, False, True] + [True] * 3 + [False] * 4
+    reference = [True, True, False] + [True] * 3 + [False] * 4
+    gap, se = paired_gap(config, reference)
+    assert gap == pytest.approx(-0.1)
+    assert se == pytest.approx(((0.3 - 0.01) / 10) ** 0.5)
+    with pytest.raises(ValueError):
+        paired_gap([True], [True, False])
