@@ -286,6 +286,8 @@ def _checked(variant) -> dict:
         raise ValueError(f"target must be gold or distractors, with oracle patch; got {sel!r}")
     if sel.get("oracle", "patch") not in ("patch", "select"):
         raise ValueError(f"oracle must be patch or select; got {sel['oracle']!r}")
+    if "rank" in sel and "oracle" not in sel or "patch_layers" in sel and sel.get("oracle") != "patch":
+        raise ValueError(f"rank needs an oracle, patch_layers the patch oracle; got {sel!r}")
     if sel.get("dev", "kv") not in ("kv", "k", "v", "kv-norm"):
         raise ValueError(f"dev must be kv, k, v or kv-norm; got {sel['dev']!r}")
     if not 0 <= sel.get("query", 0) <= 1:
