@@ -153,14 +153,16 @@ def _full_prefill(forward, token_ids, end, q_from):
 
 
 def _oracle_score(forward, kv, token_ids, positions, end, moved):
-    """(score, exact KV): per active token, its oracle rank (0 for new tokens): by default the
-    deviation of its stale K/V from a full prefill's, summed over layers (each layer normalised
-    to mean 1 over moved tokens); with rank "attention", the attention mass it gets from the
-    prompt's tokens after the last document."""
+    """(score, exact KV): per active token, its oracle rank (0 for new tokens; all 0 with a
+    `target`, which patches whole documents). By default the deviation of its stale K/V from a
+    full prefill's, summed over layers (each layer normalised to mean 1 over moved tokens); with
+    rank "attention", the attention mass it gets from the prompt's tokens after the last document."""
     a = forward.adapter
     moved_positions = positions.to(a.device)[moved.to(a.device)]
     exact, mass = _full_prefill(forward, token_ids, end, int(moved_positions.max()) + 1)
     score = torch.zeros(len(positions))
+    if "target" in _variant["sel"]:                         # whole documents: no ranking needed
+        return score, exact
     if _variant["sel"].get("rank") == "attention":
         score[moved.cpu()] = mass[moved_positions.cpu()]
         return score, exact
