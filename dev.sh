@@ -46,7 +46,7 @@ shift || true
 setup
 case "$task" in
     setup) ;;
-    demo)  .venv/bin/python -m kvboost_engine.demo "$@" ;;
+    demo)  .venv/bin/python -m kvboost_tools.demo "$@" ;;
     test)  .venv/bin/python -m pytest -q "$@" ;;
     bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;
     *) echo "usage: bash dev.sh [setup|demo|test|bench]" >&2; exit 2 ;;

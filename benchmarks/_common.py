@@ -39,3 +39,21 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def drop_page_cache(path) -> None:
+    """Ask the kernel to forget a file's cached pages (for cold-read measurements; Linux)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def chat_with_first_logits(engine, messages, **params):
+    """`engine.chat`, plus the logits [vocab] its first token was chosen from (via instrumentation)."""
+    from kvboost_engine import FirstTokenEvent
+    seen = []
+    with engine.instruments.subscribe(lambda e: seen.append(e.logits) if isinstance(e, FirstTokenEvent) else None):
+        gen = engine.chat(messages, **params)
+    return gen, seen[-1]

@@ -1,15 +1,21 @@
-"""kvboost engine: an embedded HF-transformers inference engine with chunked KV reuse."""
+"""kvboost engine: an embedded HF-transformers inference engine with chunked KV reuse.
+
+Rooms (see ARCHITECTURE.md): request/ (one request, prompt to reply), kv/ (the pool, the chunk
+cache, the disk tier), model/ (the only code that knows transformers internals), weights/
+(layer streaming, AWQ), constrained/ (the logits-constraint hook).
+"""
 from .config import EngineConfig
 from .engine import Engine
-from .errors import (BudgetError, CancelledError, ContextWindowError, InputError, KVBoostError,
-                     ModelNotFoundError, UnsupportedModelError)
-from .generation import Generation, GenerationStream
-from .prompt import Segment
-from .shared import shared_engine
+from .errors import (BudgetError, ContextWindowError, InputError, KVBoostError, ModelNotFoundError,
+                     UnsupportedModelError)
+from .instrument import FirstTokenEvent, ForwardEvent, Instruments
+from .registry import shared_engine
+from .request.generation import Generation, GenerationStream
+from .request.prompt import Segment
 
 __all__ = [
     "Engine", "EngineConfig", "shared_engine", "Generation", "GenerationStream", "Segment",
     "KVBoostError", "InputError", "ContextWindowError", "ModelNotFoundError",
-    "UnsupportedModelError", "BudgetError", "CancelledError",
+    "UnsupportedModelError", "BudgetError", "Instruments", "ForwardEvent", "FirstTokenEvent",
 ]
 __version__ = "0.1.0"

@@ -5,27 +5,27 @@ import atexit
 import dataclasses
 import os
 import threading
-import weakref
 
 import torch
-import xxhash
 
-from .arch import ModelAdapter
-from .cache import ChunkCache
 from .config import DEFAULT_CACHE_BYTES, DEFAULT_CHUNK_TOKENS, EngineConfig
-from .errors import InputError
-from .forward import Forward
-from .generation import Generation, GenerationStream
-from .hashing import model_fingerprint
-from .kv_quant import Int8Codec
-from .pool import BlockPool
+from .errors import InputError, KVBoostError
+from .instrument import Instruments
+from .kv.cache import ChunkCache
 from .loading import load_model_and_tokenizer, resolve_model_dir
-from .prompt import ChatRenderer, segments_from_prompt
-from .prefill import PrefillParts
-from .request import EngineParts, check_window, prefill_prompt, run_request, store
-from .rope import RopeMover
-from .sampling import SamplingParams
-from .tokens import PromptTokenizer, TokenizedPrompt
+from .model.arch import ModelAdapter
+from .model.fingerprint import model_fingerprint
+from .model.forward import Forward
+from .model.rope import RopeMover
+from .request.decode import EngineParts, check_window, prefill_prompt, run_request, store
+from .request.generation import Generation, GenerationStream
+from .request.prefill import PrefillParts
+from .request.prompt import ChatRenderer, segments_from_prompt
+from .request.runner import ModelRunner
+from .request.sampling import SamplingParams
+from .request.tokens import PromptTokenizer, TokenizedPrompt
+from .wiring import (cache_budget, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit, pool_for, resolve_dtype,
+                     weight_stats)
 
 
 class Engine:
@@ -51,17 +51,22 @@ class Engine:
         if self.config.paged is None:
             paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
             self.config = dataclasses.replace(self.config, paged=paged)
-        self.disk = _disk_tier(self.config, self.fingerprint)
-        codec = Int8Codec(adapter.geometry) if self.config.disk_kv_int8 else None
-        self.cache = ChunkCache(self.fingerprint, self.config.cache_bytes, _pool(self.config, adapter), self.disk,
-                                codec)
+        self.instruments = Instruments()
+        self.disk = disk_tier_for(self.config, self.fingerprint)
+        self._exit_flush = flush_at_exit(self.disk) if self.disk is not None else None
+        pool = pool_for(self.config, adapter)
+        self.cache = ChunkCache(self.fingerprint, cache_budget(self.config, pool), pool, self.disk,
+                                disk_codec_for(self.config, adapter))
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
         self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        prefill_parts = PrefillParts(adapter, Forward(adapter), self.cache, RopeMover(adapter), self.config,
-                                     threading.Lock())
-        self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, _eos_ids(model, tokenizer))
+        runner = ModelRunner(Forward(adapter), self.instruments)
+        prefill_parts = PrefillParts(adapter, runner, self.cache, RopeMover(adapter), self.config)
+        self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),
+                                  self.instruments)
         self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
         self._counter_lock = threading.Lock()
+        self._owns_model = False
+        self._closed = False
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device=None, dtype=None,
@@ -81,21 +86,25 @@ class Engine:
         """
         config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = _resolve_dtype(dtype, device)
+        dtype = resolve_dtype(dtype, device)
         source = resolve_model_dir(model)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
             stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel)
         name = "SmolLM2-135M-Instruct" if model is None else os.fspath(model)
-        return cls(hf_model, tokenizer, config=config, model_name=name)
+        engine = cls(hf_model, tokenizer, config=config, model_name=name)
+        engine._owns_model = True
+        return engine
 
     # ---- requests -----------------------------------------------------------------------
     def chat(self, messages, **params) -> Generation:
-        """Answer OpenAI-style `messages`; params: max_new_tokens, temperature, top_p, top_k, stop, seed."""
+        """Answer OpenAI-style `messages`; params: max_new_tokens, min_new_tokens, temperature, top_p,
+        top_k, stop, seed, constraint (a `constrained.LogitsConstraint` for this request)."""
         return self.stream_chat(messages, **params).collect()
 
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:
         """Like `chat`, as a stream of text deltas; `.generation` holds the result at the end."""
+        self._check_open()
         prompt = self.encode_messages(messages, **(template_kwargs or {}))
         return self._start(prompt, params)
 
@@ -104,28 +113,32 @@ class Engine:
         return self.stream(prompt, **params).collect()
 
     def stream(self, prompt, **params) -> GenerationStream:
+        """Like `generate`, as a stream of text deltas."""
+        self._check_open()
         return self._start(self.encode_prompt(prompt), params)
 
     def _start(self, prompt: TokenizedPrompt, params: dict) -> GenerationStream:
+        constraint = params.pop("constraint", None)
         sampling = SamplingParams.build(**params)
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
         cancel = threading.Event()
-        return GenerationStream(self._counted(run_request(self._parts, prompt, sampling, cancel)), cancel)
+        run = run_request(self._parts, prompt, sampling, cancel, self._count, constraint)
+        return GenerationStream(run, cancel)
 
-    def _counted(self, run):
-        gen = yield from run
+    def _count(self, gen: Generation) -> None:
+        """Request counters, for every request however it ended."""
         with self._counter_lock:
             c = self._counters
             c["requests"] += 1
             c["prompt_tokens"] += gen.prompt_tokens
             c["reused_tokens"] += gen.reused_tokens
             c["generated_tokens"] += gen.completion_tokens
-        return gen
 
     def next_token_logits(self, prompt=None, *, messages=None, template_kwargs: dict | None = None) -> torch.Tensor:
         """Logits [vocab] (fp32) for the token after a prompt or messages, through the same
         reuse path as generation (the prompt's KV is looked up and stored as usual).
         `template_kwargs` go to the chat template as in `stream_chat` (e.g. continue_final_message)."""
+        self._check_open()
         if (prompt is None) == (messages is None):
             raise InputError("pass exactly one of prompt or messages")
         if messages is None:
@@ -170,6 +183,7 @@ class Engine:
         chats. `pin=True` keeps it from eviction (raises BudgetError if it cannot fit).
         Returns the number of tokens now cached for it.
         """
+        self._check_open()
         if isinstance(text_or_messages, str):
             prompt = self.encode_prompt(text_or_messages)
         else:
@@ -194,80 +208,32 @@ class Engine:
         with self._counter_lock:
             counters = dict(self._counters)
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
-        return {**self.cache.stats(), **disk, **counters, **_weight_stats(self.model)}
+        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model)}
+
+    def memory(self) -> dict:
+        """Bytes this engine holds for KV, by holder: the pool, cached chunks, running requests,
+        pinned chunks, free; the cache budget; the disk tier's bytes and budget."""
+        return self.cache.memory()
 
     def close(self) -> None:
-        """Finish pending disk writes (call before exit when a disk tier is configured)."""
+        """Finish pending disk writes and release what the engine opened: the disk tier's writer,
+        and the layer streamer of a model it loaded itself. Later requests raise KVBoostError."""
+        if self._closed:
+            return
+        self._closed = True
         if self.disk is not None:
             self.disk.close()
+            atexit.unregister(self._exit_flush)
+        streamer = getattr(self.model, "kvboost_streamer", None)
+        if self._owns_model and streamer is not None:
+            streamer.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVBoostError("this engine is closed")
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _weight_stats(model) -> dict:
-    """AWQ loading and layer-streaming telemetry, when the model has them."""
-    out = {}
-    info = getattr(model, "kvboost_awq", None)
-    if info is not None:
-        out.update(info.as_dict())
-    streamer = getattr(model, "kvboost_streamer", None)
-    if streamer is not None:
-        out.update(streamer.telemetry())
-    return out
-
-
-def _pool(config: EngineConfig, adapter: ModelAdapter) -> BlockPool:
-    per_request = adapter.context_window * adapter.geometry.bytes_per_token
-    running = 2 * per_request if config.paged else 0    # contiguous requests bring their own buffers
-    ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + running
-    spill_dir = os.path.join(config.disk_cache_dir, "spill") if config.disk_cache_dir else None
-    device = torch.device(config.kv_device) if config.kv_device else adapter.device
-    pin = device.type == "cpu" and adapter.device.type == "cuda"      # fast, async-capable copies
-    return BlockPool(adapter.geometry, ram, device, block_tokens=config.block_tokens,
-                     spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0, pin_memory=pin)
-
-
-def _disk_tier(config: EngineConfig, fingerprint: bytes):
-    if not config.disk_cache_dir:
-        return None
-    from .disk import DiskTier
-    if config.disk_kv_int8:                         # int8 and float entries never mix
-        fingerprint = xxhash.xxh3_128_digest(fingerprint + b"int8")
-    tier = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint)
-    atexit.register(_flush_quietly, weakref.ref(tier))
-    return tier
-
-
-def _flush_quietly(tier_ref) -> None:
-    tier = tier_ref()
-    if tier is not None:
-        tier.flush(timeout=60)
-
-
-def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise InputError(f"dtype must be one of {', '.join(names)} or a torch.dtype, got {dtype!r}")
-    return names[dtype]
-
-
-def _eos_ids(model, tokenizer) -> frozenset:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)

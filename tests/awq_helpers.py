@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kvboost_engine.awq.quantize import calibration_ids, quantize_model, save_checkpoint
+from kvboost_tools.awq.quantize import calibration_ids, quantize_model, save_checkpoint
 from kvboost_engine.loading import default_model_dir
 from tiny_models import tiny_model
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvboost_engine import Engine
-from kvboost_engine.arch import SUPPORTED_ARCHITECTURES
+from kvboost_engine.model.arch import SUPPORTED_ARCHITECTURES
 from tiny_models import tiny_model
 
 
@@ -18,13 +18,13 @@ def test_tiny_model_matches_transformers_and_cache_is_exact(model_type, smol):
     with torch.inference_mode():
         reference = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
         hf_logits = model(torch.tensor([ids])).logits[0, -1]
-    assert cold.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == reference
-    first = warm.generate(prompt, max_new_tokens=12, ignore_eos=True)
+    assert cold.generate(prompt, max_new_tokens=12, min_new_tokens=12).token_ids == reference
+    first = warm.generate(prompt, max_new_tokens=12, min_new_tokens=12)
     longer = prompt + "And one more sentence."
-    second = warm.generate(longer, max_new_tokens=12, ignore_eos=True)
+    second = warm.generate(longer, max_new_tokens=12, min_new_tokens=12)
     assert first.token_ids == reference
     assert second.reused_tokens > len(ids) - 2
-    assert second.token_ids == cold.generate(longer, max_new_tokens=12, ignore_eos=True).token_ids
+    assert second.token_ids == cold.generate(longer, max_new_tokens=12, min_new_tokens=12).token_ids
     assert torch.allclose(cold.next_token_logits(prompt), hf_logits, atol=1e-4)
 
 
@@ -39,5 +39,5 @@ def test_sliding_window_matches_transformers(smol):
     with torch.inference_mode():
         reference = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
     engine = Engine(model, tokenizer, cache_bytes=64 * 2**20)
-    assert engine.generate(prompt, max_new_tokens=10, ignore_eos=True).token_ids == reference
-    assert engine.generate(prompt + " More.", max_new_tokens=10, ignore_eos=True).reused_tokens > 0
+    assert engine.generate(prompt, max_new_tokens=10, min_new_tokens=10).token_ids == reference
+    assert engine.generate(prompt + " More.", max_new_tokens=10, min_new_tokens=10).reused_tokens > 0

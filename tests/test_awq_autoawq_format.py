@@ -1,7 +1,7 @@
 """AutoAWQ's own on-disk format, checked without AutoAWQ installed.
 
 Two sources: tests/data/autoawq-tiny-g64, written by AutoAWQ 0.2.9 itself (calibrated
-quantization of a tiny random Llama, see benchmarks/autoawq_tiny_fixture.py) with the logits
+quantization of a tiny random Llama, see benchmarks/fixtures/autoawq_tiny_fixture.py) with the logits
 AutoAWQ computed from it; and a checkpoint this test packs by hand in AutoAWQ's layout from
 integer weights it chose, next to the float model those integers dequantize to.
 """
@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvboost_engine.awq.checkpoint import Checkpoint, read_header
-from kvboost_engine.awq.loader import load_awq_model
-from kvboost_engine.awq.quantize import quantize_model, save_checkpoint
+from kvboost_engine.weights.checkpoint import Checkpoint, read_header
+from kvboost_engine.weights.awq.loader import load_awq_model
+from kvboost_tools.awq.quantize import quantize_model, save_checkpoint
 
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "autoawq-tiny-g64"

@@ -1,7 +1,7 @@
 """The default model (30 layers) as AWQ: streaming with 2 resident layers is token-identical.
 
 Round-to-nearest quantization only (no calibration search) keeps this test to seconds; the
-searched checkpoint's perplexity is measured by benchmarks/awq_check.py.
+searched checkpoint's perplexity is measured by benchmarks/micro/awq_check.py.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import copy
 import pytest
 
 from kvboost_engine import Engine
-from kvboost_engine.awq.quantize import quantize_model, save_checkpoint
+from kvboost_tools.awq.quantize import quantize_model, save_checkpoint
 from kvboost_engine.loading import default_model_dir
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_engine.awq.format import AWQConfig, awq_config_of, dequantize, pack_int4, quantize_groups, unpack_int4
-from kvboost_engine.awq.kernels import CpuInt4PackLayout, DequantLayout, cpu_int4pack_works
+from kvboost_engine.weights.awq.format import AWQConfig, awq_config_of, dequantize, pack_int4, unpack_int4
+from kvboost_tools.awq.grid import quantize_groups
+from kvboost_engine.weights.awq.kernels import CpuInt4PackLayout, DequantLayout, cpu_int4pack_works
 from kvboost_engine.errors import UnsupportedModelError
 
 # AutoAWQ GEMM: nibble i of each int32 holds column order[i] of its 8 columns, order = 0,2,4,6,1,3,5,7.
@@ -84,13 +85,13 @@ def test_cpu_int4pack_layout_matches_dequant():
 
 def test_fake_quantize_equals_packed_round_trip():
     weight = torch.randn(24, 128, generator=torch.Generator().manual_seed(3))
-    from kvboost_engine.awq.format import fake_quantize
+    from kvboost_tools.awq.grid import fake_quantize
     assert torch.equal(fake_quantize(weight, 64), dequantize(*quantize_groups(weight, 64), 64).T)
 
 
 def test_clip_search_never_worse_than_no_clip():
-    from kvboost_engine.awq.format import fake_quantize
-    from kvboost_engine.awq.search import search_clip
+    from kvboost_tools.awq.grid import fake_quantize
+    from kvboost_tools.awq.search import search_clip
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(8, 64, generator=gen) * torch.rand(1, 64, generator=gen)
     weight[:, 5] = 6.0                                   # an outlier that clipping should cut

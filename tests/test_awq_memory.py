@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvboost_engine.awq.checkpoint import Checkpoint
-from kvboost_engine.streaming import release_free_memory
+from kvboost_engine.weights.checkpoint import Checkpoint
+from kvboost_engine.weights.memory import release_free_memory
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_fp16_to_fp32_load_adds_no_full_size_temporary(fp16_checkpoint, tmp_path
     save_file({"w": torch.ones(8192, 4096, dtype=torch.float16)}, str(big / "model.safetensors"))
     script = textwrap.dedent(f"""
         import torch
-        from kvboost_engine.awq.checkpoint import Checkpoint
+        from kvboost_engine.weights.checkpoint import Checkpoint
         def hwm():
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
         out = torch.zeros(8192, 4096)

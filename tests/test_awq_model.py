@@ -9,9 +9,9 @@ import torch
 
 from awq_helpers import write_tiny_awq
 from kvboost_engine import Engine, InputError, UnsupportedModelError
-from kvboost_engine.awq.checkpoint import Checkpoint
-from kvboost_engine.awq.linear import AWQLinear
-from kvboost_engine.awq.loader import load_awq_model
+from kvboost_engine.weights.checkpoint import Checkpoint
+from kvboost_engine.weights.awq.linear import AWQLinear
+from kvboost_engine.weights.awq.loader import load_awq_model
 from kvboost_engine.loading import default_model_dir
 
 CPU = torch.device("cpu")
@@ -64,7 +64,7 @@ def test_kernels_agree(qwen2_awq):
 def test_engine_recognises_awq_checkpoint(qwen2_awq):
     path, _ = qwen2_awq
     engine = Engine.from_pretrained(path, cache_bytes=0)
-    gen = engine.generate("Hello there", max_new_tokens=4, ignore_eos=True)
+    gen = engine.generate("Hello there", max_new_tokens=4, min_new_tokens=4)
     assert len(gen.token_ids) == 4
     stats = engine.stats()
     assert stats["awq_group_size"] == 64 and stats["streamed_layers"] == 0

@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvboost_engine.awq.calibrate import first_layer_inputs, run_layer
-from kvboost_engine.awq.format import fake_quantize, pack_groups, dequantize, round_groups
-from kvboost_engine.awq.quantize import SearchOptions, quantize_model
-from kvboost_engine.awq.rounding import feedback_round, second_moment
-from kvboost_engine.awq.search import ScaleGroup, apply_scale, search_scale
+from kvboost_tools.awq.calibrate import first_layer_inputs, run_layer
+from kvboost_engine.weights.awq.format import dequantize
+from kvboost_tools.awq.grid import fake_quantize, pack_groups, round_groups
+from kvboost_tools.awq.quantize import SearchOptions, quantize_model
+from kvboost_tools.awq.rounding import feedback_round, second_moment
+from kvboost_tools.awq.search import ScaleGroup, apply_scale, search_scale
 from tiny_models import tiny_model
 
 GEN = torch.Generator().manual_seed(7)
@@ -84,7 +85,7 @@ def test_sequential_search_leaves_dequantized_weights():
 
 
 def test_calibration_text_is_disjoint_from_evaluation_text():
-    from kvboost_engine.awq.texts import calibration_texts, evaluation_text
+    from kvboost_tools.awq.texts import calibration_texts, evaluation_text
     texts = calibration_texts()
     evaluation = evaluation_text()
     assert len(texts) > 500 and not any(text in evaluation for text in texts)   # topics overlap
@@ -94,8 +95,8 @@ def test_calibration_text_is_disjoint_from_evaluation_text():
 def test_command_line_writes_a_loadable_checkpoint(tmp_path):
     import shutil
 
-    from kvboost_engine.awq.loader import load_awq_model
-    from kvboost_engine.awq.quantize import TOKENIZER_FILES, main
+    from kvboost_engine.weights.awq.loader import load_awq_model
+    from kvboost_tools.awq.quantize import TOKENIZER_FILES, main
     from kvboost_engine.loading import default_model_dir
     source = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(source)

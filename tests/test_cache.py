@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from kvboost_engine.arch import KVGeometry
-from kvboost_engine.cache import ChunkCache
+from kvboost_engine.kv.geometry import KVGeometry
+from kvboost_engine.kv.cache import ChunkCache
 from kvboost_engine.errors import BudgetError
-from kvboost_engine.pool import BlockPool
+from kvboost_engine.kv.pool import BlockPool
 
 GEOMETRY = KVGeometry(num_layers=2, kv_heads=1, head_dim=2, dtype=torch.float32)
 BYTES_PER_TOKEN = GEOMETRY.bytes_per_token
@@ -123,8 +123,8 @@ def test_prefix_keys_do_not_depend_on_chunk_boundaries():
     s = list(range(30))
     insert(c1, s, [10, 30])
     insert(c2, s, [30])
-    leaf1 = [n for n in c1._lru.values() if not n.children][0]
-    leaf2 = [n for n in c2._lru.values() if not n.children][0]
+    leaf1 = [n for n in c1.tree.nodes.values() if not n.children][0]
+    leaf2 = [n for n in c2.tree.nodes.values() if not n.children][0]
     assert leaf1.key == leaf2.key
 
 
@@ -163,7 +163,7 @@ def test_pin_that_does_not_fit_raises_instead_of_storing_nothing():
     cache = make_cache(budget_tokens=10)   # 2 blocks of 4; 9 tokens need 3 blocks
     with pytest.raises(BudgetError):
         insert(cache, list(range(9)), [9], pin=True)
-    assert cache.pinned_bytes == 0
+    assert cache.budget.pinned_bytes == 0
 
 
 def test_exact_positions_are_never_read_from_a_block_an_inexact_source_wrote():

@@ -1,7 +1,7 @@
 """Incremental text with stop strings: never split characters, never return stop text."""
 import pytest
 
-from kvboost_engine.detok import TextAssembler
+from kvboost_engine.request.detok import TextAssembler
 
 
 def feed(tokenizer, text, stops=()):

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from kvboost_engine.disk import DiskTier
-from kvboost_engine.disk.fileformat import HEADER_SIZE
-from kvboost_engine.disk.index import LruBudget
-from kvboost_engine.disk.layout import STALE_TEMP_SECONDS
+from kvboost_engine.kv.disk import DiskTier
+from kvboost_engine.kv.disk.fileformat import HEADER_SIZE
+from kvboost_engine.kv.disk.index import LruBudget
+from kvboost_engine.kv.disk.layout import STALE_TEMP_SECONDS
 from kvboost_engine.errors import InputError
 
 FP = bytes(range(16))

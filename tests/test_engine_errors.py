@@ -14,7 +14,7 @@ OK = [{"role": "user", "content": "Say hi."}]
     (lambda e: e.chat([{"role": "user", "content": b"bytes"}]), "content must be a string"),
     (lambda e: e.chat(OK, max_new_tokens=0), "max_new_tokens must be an int >= 1"),
     (lambda e: e.chat(OK, max_new_tokens=2.5), "max_new_tokens must be an int >= 1"),
-    (lambda e: e.chat(OK, temperature=-0.1), "temperature must be a number >= 0"),
+    (lambda e: e.chat(OK, temperature=-0.1), "temperature must be a finite number >= 0"),
     (lambda e: e.chat(OK, top_p=0), r"top_p must be in \(0, 1\]"),
     (lambda e: e.chat(OK, top_k=-1), "top_k must be an int >= 0"),
     (lambda e: e.chat(OK, stop=[3]), "stop must be a string or a list of strings"),

@@ -2,8 +2,8 @@
 import torch
 
 from kvboost_engine import Engine
-from kvboost_engine.arch import KVGeometry
-from kvboost_engine.kv_quant import Int8Codec
+from kvboost_engine.kv.geometry import KVGeometry
+from kvboost_engine.kv.codec import Int8Codec
 from test_engine_exact import SYSTEM
 
 

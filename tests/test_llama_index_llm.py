@@ -15,7 +15,7 @@ from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # 
 from llama_index.core.indices.prompt_helper import PromptHelper  # noqa: E402
 
 from kvboost_engine import Engine, InputError  # noqa: E402
-from kvboost_engine import shared as shared_module  # noqa: E402
+from kvboost_engine import registry as shared_module  # noqa: E402
 from kvboost_integrations.llama_index import DOCUMENT_BLOCKS, KVBoost, document_message, to_engine_messages  # noqa: E402
 from kvboost_integrations.llama_index import prompt_helper  # noqa: E402
 

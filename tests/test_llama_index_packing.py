@@ -84,7 +84,7 @@ def test_telemetry_sums_calls_and_reports_document_reuse():
 
 def test_document_reuse_counts_documents_inside_the_exact_prefix_plus_moved():
     from kvboost_engine import Generation
-    from kvboost_engine.tokens import TokenizedPrompt
+    from kvboost_engine.request.tokens import TokenizedPrompt
     from kvboost_integrations._bridge import document_reuse
 
     # glue 0-10, document 10-40, glue 40-42, document 42-62, query 62-70

@@ -37,7 +37,7 @@ def test_paged_chat_is_token_identical_to_contiguous(smol):
 def test_paged_chat_attending_run_by_run_is_token_identical(smol, monkeypatch):
     """Short sequences over several block runs gather the runs into one buffer; long ones attend
     each run in place and merge by log-sum-exp. Force the second path on the chat replay."""
-    import kvboost_engine.paged as paged_module
+    import kvboost_engine.kv.paged as paged_module
     model, tokenizer = smol
     contiguous = chat_replay(Engine(model, tokenizer, paged=False), turns=4)
     monkeypatch.setattr(paged_module, "GATHER_MAX_KEYS", 0)
@@ -95,12 +95,12 @@ def test_spill_runs_a_context_longer_than_the_pool_only_with_the_disk_tier(smol,
     geometry_bytes = 2 * 2 * 2 * 16 * 4                  # layers * k/v * kv_heads * head_dim * fp32
     prompt = "Numbers: " + " ".join(str(i) for i in range(3000))
     reference = Engine(model, tokenizer, cache_bytes=0, paged=False).generate(prompt, max_new_tokens=5,
-                                                                              ignore_eos=True)
+                                                                              min_new_tokens=5)
     small = dict(cache_bytes=0, kv_pool_bytes=1024 * geometry_bytes)
     with pytest.raises(BudgetError, match="needs"):
         Engine(model, tokenizer, **small).generate(prompt, max_new_tokens=5)
     spilled = Engine(model, tokenizer, disk_cache_dir=str(tmp_path), **small)
-    out = spilled.generate(prompt, max_new_tokens=5, ignore_eos=True)
+    out = spilled.generate(prompt, max_new_tokens=5, min_new_tokens=5)
     assert out.prompt_tokens > 4 * 1024
     assert out.token_ids == reference.token_ids
     assert spilled.stats()["pool_peak_blocks_used"] > spilled.stats()["pool_ram_blocks"]
@@ -146,7 +146,7 @@ def test_disk_tier_survives_restart_and_corrupt_files_are_never_served(tmp_path)
 
 def test_kv_device_cpu_option(smol):
     """kv_device="cpu" keeps KV in CPU pages (weights elsewhere; checked on CUDA by
-    benchmarks/gpu_check.py --checks kv_cpu). On a CPU model it is the default paged path."""
+    benchmarks/device/gpu_check.py --checks kv_cpu). On a CPU model it is the default paged path."""
     from kvboost_engine import InputError
     from kvboost_engine.config import EngineConfig
     engine = Engine(*smol, kv_device="cpu", paged=None)

@@ -2,7 +2,7 @@
 import pytest
 
 from kvboost_engine.errors import InputError
-from kvboost_engine.prompt import ChatRenderer, Segment, segments_from_prompt
+from kvboost_engine.request.prompt import ChatRenderer, Segment, segments_from_prompt
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,6 @@ def test_content_parts_become_segments(renderer):
     segments = renderer.render(messages)
     docs = [s for s in segments if s.kind == "document"]
     assert [d.text for d in docs] == ["Doc one.", "Doc two."]
-    assert all(d.reusable_anywhere for d in docs)
     assert [s.text for s in segments if s.kind == "user"] == ["Question?"]
 
 
@@ -60,7 +59,7 @@ def test_bad_messages(renderer, messages, message):
 def test_plain_prompts():
     assert segments_from_prompt("abc") == [Segment("abc")]
     segs = segments_from_prompt(["a", {"text": "doc", "kind": "document"}, Segment("q", "user")])
-    assert segs[1].reusable_anywhere and segs[2].kind == "user"
+    assert segs[1] == Segment("doc", "document") and segs[2].kind == "user"
     for bad in ("", [], [""], 5, [7]):
         with pytest.raises(InputError):
             segments_from_prompt(bad)

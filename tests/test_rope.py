@@ -4,8 +4,8 @@ import sys
 import pytest
 import torch
 
-from kvboost_engine.arch import ModelAdapter
-from kvboost_engine.rope import RopeMover
+from kvboost_engine.model.arch import ModelAdapter
+from kvboost_engine.model.rope import RopeMover
 from tiny_models import tiny_model
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

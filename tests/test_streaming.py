@@ -8,11 +8,11 @@ import torch
 
 from awq_helpers import write_tiny_awq
 from kvboost_engine import Engine
-from kvboost_engine.awq.loader import awq_modules, load_awq_model
+from kvboost_engine.weights.awq.loader import awq_modules, load_awq_model
 from kvboost_engine.errors import BudgetError, InputError
-from kvboost_engine.residency import LayerBinding, resident_layers_set
-from kvboost_engine.streaming import LayerStreamer
-from kvboost_engine.tiers import HostTier
+from kvboost_engine.weights.residency import LayerBinding, resident_layers_set
+from kvboost_engine.weights.streamer import LayerStreamer
+from kvboost_engine.weights.tiers import HostRamTier
 
 CPU = torch.device("cpu")
 
@@ -59,10 +59,10 @@ def test_streaming_logits_identical_to_resident(tiny_awq):
 
 def test_greedy_generation_token_identical(tiny_awq):
     prompt = "The kernel reads the weights"
-    full = Engine.from_pretrained(tiny_awq, cache_bytes=0).generate(prompt, max_new_tokens=12, ignore_eos=True)
+    full = Engine.from_pretrained(tiny_awq, cache_bytes=0).generate(prompt, max_new_tokens=12, min_new_tokens=12)
     engine = Engine.from_pretrained(tiny_awq, cache_bytes=2**26, resident_layers=2)
-    first = engine.generate(prompt, max_new_tokens=12, ignore_eos=True)
-    again = engine.generate(prompt, max_new_tokens=12, ignore_eos=True)     # through the chunk cache
+    first = engine.generate(prompt, max_new_tokens=12, min_new_tokens=12)
+    again = engine.generate(prompt, max_new_tokens=12, min_new_tokens=12)     # through the chunk cache
     assert first.token_ids == full.token_ids == again.token_ids
     assert again.reused_tokens > 0
     stats = engine.stats()
@@ -102,7 +102,7 @@ def test_recovers_from_out_of_order_and_failed_layers(tiny_awq):
     assert streamer.stats.resyncs >= 1
 
 
-class SlowTier(HostTier):
+class SlowTier(HostRamTier):
     """A RAM tier that takes `delay` seconds per layer (to test hit accounting)."""
 
     def __init__(self, blobs, delay):
@@ -115,9 +115,9 @@ class SlowTier(HostTier):
 
 
 def _toy_streamer(delay: float):
-    from kvboost_engine.awq.kernels import DequantLayout
-    from kvboost_engine.awq.linear import AWQLinear
-    from kvboost_engine.awq.format import quantize_groups
+    from kvboost_engine.weights.awq.kernels import DequantLayout
+    from kvboost_engine.weights.awq.linear import AWQLinear
+    from kvboost_tools.awq.grid import quantize_groups
 
     layers = [torch.nn.Sequential(AWQLinear(64, 16, 32, DequantLayout(), False)) for _ in range(3)]
     bindings = {i: LayerBinding(awq_modules(layer)) for i, layer in enumerate(layers)}

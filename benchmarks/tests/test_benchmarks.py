@@ -1,0 +1,124 @@
+"""The side-by-side benchmark's plumbing, without a model: workloads, aggregation, report, README."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.data import coding as coding_data
+from benchmarks.sidebyside import aggregate, report
+from benchmarks.research.moved_quality import paired_gap
+from benchmarks.sidebyside.workloads import Workload, chat_workload, coding_workload, flat_messages, rag_workload
+
+
+def _workloads():
+    return [chat_workload(3, 8, lambda messages: f"reply {len(messages)}"),
+            rag_workload((1, 3), 2, 8), coding_workload(6, 8)]
+
+
+def test_chat_replay_grows_one_turn_at_a_time():
+    chat = _workloads()[0]
+    requests = chat.sequences[0].requests
+    assert [len(r.messages) for r in requests] == [2, 4, 6]
+    assert requests[2].messages[:5] == requests[1].messages + [{"role": "assistant", "content": "reply 4"}]
+
+
+def test_rag_documents_recur_in_new_orders():
+    rag = _workloads()[1]
+    assert [s.x for s in rag.sequences] == [1, 3]
+    parts = [r.messages[1]["content"] for r in rag.sequences[1].requests]
+    assert all(len(p) == 4 and p[-1]["type"] == "text" for p in parts)     # 3 documents + the question
+    assert all(r.answer for r in rag.sequences[1].requests)
+
+
+def test_coding_session_edits_then_reorders():
+    steps = _workloads()[2].sequences[0].requests
+    files = [[p["text"].splitlines()[0] for p in r.messages[1]["content"][:-1]] for r in steps]
+    edited = f"File {coding_data.EDITED_FILE}:"
+    assert files[0] == files[coding_data.EDIT_STEP] and files[0].index(edited) > 0
+    assert files[coding_data.REORDER_STEP][0] == edited
+    assert steps[coding_data.EDIT_STEP].event.startswith("edit")
+    before = steps[0].messages[1]["content"][files[0].index(edited)]["text"]
+    after = steps[coding_data.EDIT_STEP].messages[1]["content"][files[0].index(edited)]["text"]
+    assert before != after and "log.info" in after
+
+
+def test_flat_messages_join_parts_like_the_engine():
+    from kvboost_engine.request.prompt import PART_SEPARATOR
+    messages = [{"role": "user", "content": [{"type": "document", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert flat_messages(messages) == [{"role": "user", "content": "a" + PART_SEPARATOR + "b"}]
+
+
+def test_workload_round_trips_through_json():
+    for workload in _workloads():
+        assert Workload.from_json(json.loads(json.dumps(workload.to_json()))) == workload
+
+
+def _fake_raw(workloads, speed: dict[str, float]):
+    raw = {}
+    for system, factor in speed.items():
+        raw[system] = {}
+        for w in workloads:
+            raw[system][w.name] = {}
+            for seq in w.sequences:
+                runs = []
+                for repeat in range(3):
+                    runs.append([{"text": r.answer or "same", "prompt_tokens": 100, "reused_tokens": 0 if factor == 1 else 80,
+                                  "reused_exact": 0 if factor == 1 else 80, "reused_moved": 0, "hit_rate": 0 if factor == 1 else 0.8,
+                                  "new_tokens": 8, "ttft_s": factor * (1 + 0.1 * repeat), "total_s": 2 * factor,
+                                  "decode_tok_s": 30.0} for r in seq.requests])
+                raw[system][w.name][seq.key] = runs
+    return raw
+
+
+def _fake_result(workloads):
+    group = aggregate.aggregate_group(_fake_raw(workloads, {"transformers": 1.0, "ours-engine": 0.25}), workloads)
+    env = {"date": "2026-01-01", "cpu_model": "cpu", "cpu": "x86", "cpu_count": 2, "torch_threads": 2, "model": "m",
+           "dtype": "torch.float32", "device": "cpu", "torch": "2", "transformers": "5", "load_average_start": 0.5,
+           "load_average_end": 0.6, "wall_s": 60}
+    systems = {s: {"label": s, "version": "1", "status": "ran", "memory": {"peak_rss_bytes": 2**30,
+                                                                         "rss_after_load_bytes": 2**29}}
+               for s in ("transformers", "ours-engine")}
+    systems["kvboost-pypi"] = {"label": "kvboost", "version": "0.9.0", "status": "could not run: reason", "memory": None}
+    return {"mode": "full", "settings": {"repeats": 3}, "environment": env, "systems": systems,
+            "workloads": [w.describe() for w in workloads], "groups": {"main": group},
+            "group_of": {s: "main" for s in systems}}
+
+
+def test_summary_medians_spread_and_speedup():
+    workloads = _workloads()
+    result = _fake_result(workloads)
+    s = result["groups"]["main"]["ours-engine"]["chat"]["summary"]
+    assert s["ttft_s"] == pytest.approx({"median": 0.275, "min": 0.25, "max": 0.3})
+    assert s["ttft_speedup"]["median"] == pytest.approx(4.0)
+    assert s["reused_share"] == pytest.approx(0.8) and s["agreement"] == 1.0
+    assert result["groups"]["main"]["ours-engine"]["rag"]["summary"]["accuracy"] == 1.0
+
+
+def test_report_table_plots_and_readme(tmp_path, monkeypatch):
+    workloads = _workloads()
+    result = _fake_result(workloads)
+    text = report.markdown(result)
+    assert "could not run: reason" in text and "4.00×" in text and "275 (250–300)" in text
+    path = report.write_all(result, tmp_path)
+    assert json.loads(path.read_text())["mode"] == "full"
+    assert all((tmp_path / f"{name}.png").stat().st_size > 1000 for name in report.PLOTS)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{report.BEGIN}\nold\n{report.END}\nafter\n")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    report.update_readme(result, readme, path)
+    updated = readme.read_text()
+    assert "old" not in updated and "275 (250–300)" in updated and updated.endswith(f"{report.END}\nafter\n")
+
+
+def test_paired_gap_counts_only_discordant_answers():
+    same = [True, False, True, False]
+    assert paired_gap(same, same) == (0.0, 0.0)
+    # 2 lost, 1 gained out of 10: gap -0.1; d has mean -0.1 and E[d^2] 0.3
+    config = [False, False, True] + [True] * 3 + [False] * 4
+    reference = [True, True, False] + [True] * 3 + [False] * 4
+    gap, se = paired_gap(config, reference)
+    assert gap == pytest.approx(-0.1)
+    assert se == pytest.approx(((0.3 - 0.01) / 10) ** 0.5)
+    with pytest.raises(ValueError):
+        paired_gap([True], [True, False])

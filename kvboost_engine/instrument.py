@@ -1,0 +1,94 @@
+"""Instrumentation: a public, documented way to observe what the engine does.
+
+Benchmarks and tracing subscribe here instead of patching engine internals:
+
+```python
+events = []
+with engine.instruments.subscribe(events.append):
+    engine.chat(messages)
+forwards = [e for e in events if isinstance(e, ForwardEvent)]      # kind, tokens, start, seconds
+first = next(e for e in events if isinstance(e, FirstTokenEvent))   # logits the first token came from
+```
+
+Callbacks run on the thread doing the work, inside the request: keep them short. An exception in
+a callback is logged and does not disturb the request. With no subscriber, nothing is timed or
+built.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardEvent:
+    """One forward pass of the model. kind: "prefill" (new prompt tokens), "repair" (new tokens
+    plus recomputed moved tokens) or "decode" (one generated token); `tokens` computed from
+    position `start`; `seconds` of wall time (the forward only)."""
+
+    kind: str
+    tokens: int
+    start: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenEvent:
+    """The logits [vocab] (fp32) the first generated token of a request was chosen from."""
+
+    logits: torch.Tensor
+    prompt_tokens: int
+
+
+class Subscription:
+    """Returned by `Instruments.subscribe`; `close()` (or leaving a `with` block) unsubscribes."""
+
+    def __init__(self, instruments: "Instruments", callback: Callable):
+        self._instruments = instruments
+        self.callback = callback
+
+    def close(self) -> None:
+        self._instruments._remove(self.callback)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Instruments:
+    """The subscribers of one engine."""
+
+    def __init__(self):
+        self._callbacks: tuple[Callable, ...] = ()
+        self._lock = threading.Lock()
+
+    def subscribe(self, callback: Callable[[object], None]) -> Subscription:
+        """Call `callback(event)` for every event from now on."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        with self._lock:
+            self._callbacks = (*self._callbacks, callback)
+        return Subscription(self, callback)
+
+    def _remove(self, callback: Callable) -> None:
+        with self._lock:
+            self._callbacks = tuple(c for c in self._callbacks if c is not callback)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._callbacks)
+
+    def emit(self, event) -> None:
+        for callback in self._callbacks:
+            try:
+                callback(event)
+            except Exception:  # noqa: BLE001 - an observer must never break a request
+                log.exception("kvboost instrumentation callback %r failed", callback)

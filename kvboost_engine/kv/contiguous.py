@@ -1,0 +1,71 @@
+"""Working KV of one request as one contiguous buffer (the non-paged path).
+
+Cached KV is copied in; new KV is written in place. Paged sequences (paged.py) offer the same
+methods over the shared block pool.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .geometry import KVGeometry
+
+
+class SequenceKV:
+    """KV buffer for one sequence, sized for prompt + new tokens up front (no regrowth).
+
+    Layout `[2, layers, 1, kv_heads, capacity, head_dim]`; per layer the attention reads
+    the view `[1, kv_heads, :length, head_dim]` without copying.
+    """
+
+    allocates = True            # giving KV to the cache copies it into new pool blocks
+
+    def __init__(self, geometry: KVGeometry, capacity: int, device: torch.device, pool=None):
+        g = geometry
+        self.geometry = g
+        self.capacity = capacity
+        self.pool = pool
+        self.data = torch.empty(2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim, dtype=g.dtype, device=device)
+        self.device = self.data.device
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Store new K/V `[1, kv_heads, n, head_dim]` at positions start..start+n."""
+        end = start + keys.shape[2]
+        self.data[0, layer, :, :, start:end] = keys
+        self.data[1, layer, :, :, start:end] = values
+
+    def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        self.data[0, layer, :, :, positions] = keys
+        self.data[1, layer, :, :, positions] = values
+
+    def gather(self, layer: int, positions: torch.Tensor):
+        return self.data[0, layer, :, :, positions], self.data[1, layer, :, :, positions]
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions 0..end: `[1, kv_heads, end, head_dim]` each, views."""
+        return self.data[0, layer, :, :, :end], self.data[1, layer, :, :, :end]
+
+    def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask=None,
+               q_range=None, window=None):
+        keys, values = self.view(layer, end)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
+                                              scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
+
+    def load(self, kv: torch.Tensor, start: int) -> None:
+        """Copy KV `[2, layers, kv_heads, n, head_dim]` in at `start`."""
+        n = kv.shape[3]
+        self.data[:, :, 0, :, start:start + n] = kv
+
+    def export(self, start: int, end: int) -> torch.Tensor:
+        """A compact copy `[2, layers, kv_heads, end-start, head_dim]`."""
+        return self.data[:, :, 0, :, start:end].clone()
+
+    def cache_blocks(self, first_index: int, end: int) -> list[int]:
+        """New pool blocks holding this sequence's KV for block indices first_index.. up to `end`."""
+        b = self.pool.block_tokens
+        blocks = self.pool.allocate(-(-end // b) - first_index)
+        self.pool.write([None] * first_index + blocks, first_index * b, self.export(first_index * b, end))
+        return blocks
+
+    def release(self) -> None:
+        """Nothing to give back: the buffer is freed with the object."""

@@ -1,0 +1,290 @@
+"""DiskTier: KV entries as checksummed files in a directory, under a byte budget, LRU evicted."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ...errors import InputError
+from .fileformat import DTYPE_CODES, MAX_DIMS, CorruptEntry, entry_size, read_entry, write_entry
+from .index import LruBudget
+from .layout import KEY_BYTES, entry_path, scan, stamp, temp_path, tier_root, unlink
+from .writer import WriteBehind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DiskStats:
+    hits: int = 0
+    queued_hits: int = 0            # hits served from the write-behind queue (not yet on disk)
+    misses: int = 0
+    writes: int = 0
+    refused: int = 0                # puts larger than the budget, or with no room left
+    dropped_writes: int = 0         # put_async calls refused because the queue was full
+    write_errors: int = 0
+    read_errors: int = 0            # I/O errors other than a missing file (file kept)
+    evictions: int = 0
+    corrupt_files_deleted: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class DiskTier:
+    """KV entries on local disk, keyed by 16-byte prefix keys; thread-safe, multi-process safe.
+
+    Files are written to a temporary name, fsynced and renamed, so no reader (thread or
+    process) ever sees a partial file; every read verifies header and checksum, and a bad
+    file is deleted and reported as a miss. Recency lives in memory and in file mtimes, so a
+    restart resumes the LRU order. The budget is exact for one process; processes sharing a
+    directory each enforce it over the files they know of (found at start, written or read).
+    Files of other fingerprints live in other subdirectories (layout.py) and are never read,
+    counted or deleted: another model may be using them.
+    """
+
+    def __init__(self, directory, budget_bytes: int, fingerprint: bytes, *,
+                 max_pending_bytes: int = 256 << 20, fsync: bool = True):
+        if len(fingerprint) != KEY_BYTES:
+            raise InputError(f"fingerprint must be {KEY_BYTES} bytes, got {len(fingerprint)}")
+        if budget_bytes < 0 or max_pending_bytes < 0:
+            raise InputError(f"disk budgets must be >= 0 (budget_bytes={budget_bytes}, "
+                             f"max_pending_bytes={max_pending_bytes})")
+        self.fingerprint = fingerprint
+        self.root = tier_root(directory, fingerprint)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._index = LruBudget(budget_bytes)
+        self._writing: set[bytes] = set()          # keys whose file is being written now
+        self._lock = threading.Lock()
+        self._counters = DiskStats()
+        self._writer = WriteBehind(self.put, max_pending_bytes)
+        self._closed = False
+        self._scan()
+
+    # ---- writing ------------------------------------------------------------------------
+    def put(self, key: bytes, start: int, tokens: tuple, kv: torch.Tensor, exact: bool) -> bool:
+        """Write one entry now, evicting least recently used files to fit the budget.
+
+        Returns False (writing nothing) when the entry is larger than the whole budget, the
+        rest cannot be evicted, the tier is closed, or the write fails (logged). An existing
+        file of the same key is replaced atomically.
+        """
+        kv = self._check_entry(key, tokens, kv)
+        size = entry_size(len(tokens), kv)
+        with self._lock:
+            if self._closed:
+                return False
+            if key in self._writing:
+                return True                         # same key, so the same KV, on its way
+            victims = self._index.reserve(key, size, self._writing)
+            if victims is None:
+                self._counters.refused += 1
+                return False
+            self._writing.add(key)
+            self._unlink_evicted(victims)
+        written = self._write_file(key, start, tokens, kv, exact)
+        with self._lock:
+            self._writing.discard(key)
+            if written and key not in self._index:  # deleted while it was being written
+                unlink(self._path(key))
+            elif written:
+                self._counters.writes += 1
+                self._counters.bytes_written += size
+            else:
+                self._index.remove(key)
+                self._counters.write_errors += 1
+        return written
+
+    def put_async(self, key: bytes, start: int, tokens: tuple, kv: torch.Tensor, exact: bool) -> bool:
+        """Queue `put` on the background writer; never waits for disk. False when the entry
+        can never fit the budget or the queue's byte bound is reached (dropped, counted).
+        Until its file is in place, `get` serves a queued entry from memory, so the caller
+        must not modify `kv` afterwards."""
+        kv = self._check_entry(key, tokens, kv)
+        size = entry_size(len(tokens), kv)
+        with self._lock:
+            if self._closed:
+                return False
+            if size > self._index.budget_bytes:
+                self._counters.refused += 1
+                return False
+        if self._writer.submit(key, (start, tuple(tokens), kv, exact), size):
+            return True
+        with self._lock:
+            self._counters.dropped_writes += 1
+        return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk; False if `timeout` ran out first."""
+        return self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Finish queued writes and stop the writer; later puts return False, gets still work."""
+        self._writer.close()
+        with self._lock:
+            self._closed = True
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- reading ------------------------------------------------------------------------
+    def get(self, key: bytes) -> tuple[int, tuple[int, ...], torch.Tensor, bool] | None:
+        """(start, tokens, kv, exact) of `key`, or None. A corrupt, truncated or foreign file
+        is deleted and counted, never served; a file removed meanwhile is a plain miss."""
+        _check_key(key)
+        queued = self._writer.lookup(key)
+        if queued is not None:
+            with self._lock:
+                self._counters.hits += 1
+                self._counters.queued_hits += 1
+            return queued
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as error:
+            self._count_miss(key, error)
+            return None
+        try:
+            return self._read_open(key, path, fd)
+        finally:
+            os.close(fd)
+
+    def _read_open(self, key: bytes, path: Path, fd: int):
+        try:
+            info = os.fstat(fd)
+            entry = read_entry(fd, info.st_size, self.fingerprint, key)
+        except CorruptEntry as error:
+            self._discard_corrupt(key, path, fd, error)
+            return None
+        except OSError as error:
+            self._count_miss(key, error)
+            return None
+        with self._lock:
+            self._counters.hits += 1
+            self._counters.bytes_read += info.st_size
+            if key in self._index:
+                self._index.touch(key)
+            elif key not in self._writing and os.fstat(fd).st_nlink:   # another process wrote it
+                self._adopt(key, info.st_size)
+        stamp(path)
+        return entry.start, entry.tokens, entry.kv, entry.exact
+
+    def contains(self, key: bytes) -> bool:
+        """Whether `key` is queued or on disk (a file written by another process counts)."""
+        _check_key(key)
+        if self._writer.lookup(key) is not None:
+            return True
+        with self._lock:
+            if key in self._index:
+                return True
+        try:
+            size = os.stat(self._path(key)).st_size
+        except OSError:
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._adopt(key, size)
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        """Remove `key` (queued write or file); True if there was something to remove."""
+        _check_key(key)
+        cancelled = self._writer.cancel(key)
+        with self._lock:
+            known = self._index.remove(key) is not None
+            return unlink(self._path(key)) or known or cancelled
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._index), "bytes_used": self._index.bytes_used,
+                    "budget_bytes": self._index.budget_bytes, **asdict(self._counters),
+                    "pending_writes": len(self._writer), "pending_bytes": self._writer.pending_bytes}
+
+    # ---- internals ----------------------------------------------------------------------
+    def _path(self, key: bytes) -> Path:
+        return entry_path(self.root, key)
+
+    def _check_entry(self, key: bytes, tokens, kv: torch.Tensor) -> torch.Tensor:
+        """Validate put arguments; returns `kv` as a contiguous CPU tensor."""
+        _check_key(key)
+        if kv.dtype not in DTYPE_CODES or not 1 <= kv.dim() <= MAX_DIMS:
+            raise InputError(f"disk tier stores 1-{MAX_DIMS} dim tensors of {sorted(map(str, DTYPE_CODES))}, "
+                             f"got {kv.dtype} with {kv.dim()} dims")
+        if any(not 0 <= t < 2**31 for t in tokens):
+            raise InputError("token ids must be in [0, 2**31)")
+        return kv.detach().to("cpu").contiguous()
+
+    def _write_file(self, key: bytes, start: int, tokens, kv: torch.Tensor, exact: bool) -> bool:
+        path = self._path(key)
+        temp = temp_path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)   # even if removed by hand meanwhile
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except OSError as error:
+            log.warning("kvboost disk tier: could not write %s: %s", path, error)
+            unlink(temp)
+            return False
+        stamp(path)
+        return True
+
+    def _count_miss(self, key: bytes, error: OSError) -> None:
+        with self._lock:
+            self._counters.misses += 1
+            if isinstance(error, FileNotFoundError):
+                if key not in self._writing:         # evicted by another process
+                    self._index.remove(key)
+            else:
+                self._counters.read_errors += 1
+                log.warning("kvboost disk tier: could not read %s: %s", self._path(key), error)
+
+    def _discard_corrupt(self, key: bytes, path: Path, fd: int, error: CorruptEntry) -> None:
+        log.warning("kvboost disk tier: deleting corrupt entry %s: %s", path, error)
+        with self._lock:
+            self._counters.misses += 1
+            self._counters.corrupt_files_deleted += 1
+            if key not in self._writing:
+                self._index.remove(key)
+                try:                    # only if it is still the file we read, not a fresh one
+                    if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                        unlink(path)
+                except OSError:
+                    pass
+
+    def _adopt(self, key: bytes, size: int) -> None:
+        """Account a file another process wrote; evicts older ones if it breaks the budget.
+        A file larger than this tier's whole budget (another process may have a larger one)
+        is served but not accounted, so it is never evicted from here."""
+        if size > self._index.budget_bytes:
+            return
+        self._index.add(key, size)
+        self._unlink_evicted(self._index.trim(self._writing | {key}))
+
+    def _unlink_evicted(self, victims: list[bytes]) -> None:
+        for victim in victims:
+            unlink(self._path(victim))
+            self._counters.evictions += 1
+
+    def _scan(self) -> None:
+        """Index the files already there (oldest first) and fit them to the budget."""
+        for key, size in scan(self.root):
+            self._index.add(key, size)
+        self._unlink_evicted(self._index.trim(set()))
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InputError(f"disk tier keys are {KEY_BYTES} bytes, got {key!r}")

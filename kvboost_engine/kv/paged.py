@@ -1,0 +1,186 @@
+"""A sequence's KV as a block table over the shared pool (the default on CPU).
+
+Cached prefix blocks are mapped in without copying; the sequence's own blocks are reserved up
+front for prompt + new tokens (a request never fails half-way for lack of memory). Attention
+runs over each run of consecutive blocks as a view and merges the runs by log-sum-exp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .pool import BlockPool
+
+
+# Up to this many keys, a sequence whose blocks form several runs copies them into one buffer per
+# layer and attends once (the copy is cheaper than a kernel call and an LSE merge per run); past
+# it, each run is attended in place and the results merged by log-sum-exp.
+GATHER_MAX_KEYS = 2048
+
+
+class PagedSequence:
+    allocates = False           # giving KV to the cache shares blocks
+
+    def __init__(self, pool: BlockPool, capacity: int):
+        self.pool = pool
+        self.capacity = capacity
+        self.device = pool.ram.device
+        self.block_tokens = pool.block_tokens
+        self.table: list[int] = []          # physical block of each block index
+        self.copied: dict[int, tuple[int, int]] = {}    # block index -> (shared block it copies, positions copied up to)
+        self._runs: dict[int, list] = {}
+        self._slots: torch.Tensor | None = None
+
+    # ---- building the table -------------------------------------------------------------
+    def map_shared(self, blocks: list[int]) -> None:
+        """Use cached blocks (already retained for this sequence) as the first block indices."""
+        assert not self.table
+        self.table = list(blocks)
+
+    def copy_on_write(self, index: int, upto: int) -> None:
+        """Give block `index` a private copy holding positions [index * B, upto) of the shared one."""
+        shared = self.table[index]
+        own = self.pool.allocate(1)[0]
+        src, src_slot = self.pool.region(shared)
+        dst, dst_slot = self.pool.region(own)
+        count = upto - index * self.block_tokens
+        dst[:, :, :, dst_slot:dst_slot + count] = src[:, :, :, src_slot:src_slot + count]
+        self.table[index] = own
+        self.copied[index] = (shared, upto)
+        self.pool.release([shared])
+        self._changed()
+
+    def reserve(self) -> None:
+        """Allocate private blocks for every position up to capacity."""
+        needed = -(-self.capacity // self.block_tokens) - len(self.table)
+        self.table.extend(self.pool.allocate(max(needed, 0)))
+        self._changed()
+
+    def release(self) -> None:
+        self.pool.release(self.table)
+        self.table = []
+        self._changed()
+
+    def cache_blocks(self, first_index: int, end: int) -> list[int]:
+        """This sequence's blocks for block indices first_index.. up to `end`, one new reference each."""
+        blocks = self.table[first_index:-(-end // self.block_tokens)]
+        self.pool.retain(blocks)
+        return list(blocks)
+
+    def load(self, kv: torch.Tensor, start: int) -> None:
+        """Copy KV `[2, layers, kv_heads, n, head_dim]` in at `start` (into private blocks)."""
+        self.pool.write(self.table, start, kv)
+
+    def _changed(self) -> None:
+        self._runs.clear()
+        self._slots = None
+
+    # ---- data access --------------------------------------------------------------------
+    def runs(self, end: int):
+        if end not in self._runs:
+            self._runs[end] = self.pool.runs(self.table, end)
+        return self._runs[end]
+
+    def slots(self) -> torch.Tensor:
+        """Slot index of every position (RAM region only), for scattered reads and writes."""
+        if self._slots is None:
+            b = self.block_tokens
+            device = self.pool.ram.device
+            table = torch.tensor(self.table, dtype=torch.long, device=device)
+            self._slots = (table[:, None] * b + torch.arange(b, device=device)[None, :]).flatten()
+        return self._slots
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        end = start + keys.shape[2]
+        for tensor, slot, pos, n in self.runs(end):
+            lo, hi = max(pos, start), min(pos + n, end)
+            if lo < hi:
+                tensor[0, layer, :, slot + lo - pos:slot + hi - pos] = keys[0, :, lo - start:hi - start]
+                tensor[1, layer, :, slot + lo - pos:slot + hi - pos] = values[0, :, lo - start:hi - start]
+
+    def _scatter_ok(self) -> bool:
+        return self.pool.spill_blocks == 0 or max(self.table) < self.pool.ram_blocks
+
+    def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        if not self._scatter_ok():
+            for i, p in enumerate(positions.tolist()):
+                self.write(layer, keys[:, :, i:i + 1], values[:, :, i:i + 1], p)
+            return
+        slots = self.slots()[positions.to(self.pool.ram.device)]
+        self.pool.ram[0, layer, :, slots] = keys[0]
+        self.pool.ram[1, layer, :, slots] = values[0]
+
+    def gather(self, layer: int, positions: torch.Tensor):
+        if not self._scatter_ok():
+            kv = self.pool.read(self.table, 0, int(positions.max()) + 1)[:, layer][:, :, positions]
+            return kv[0][None], kv[1][None]
+        slots = self.slots()[positions.to(self.pool.ram.device)]
+        return self.pool.ram[0, layer, :, slots][None], self.pool.ram[1, layer, :, slots][None]
+
+    def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask,
+               q_range: tuple[int, int] = (0, 0), window: int | None = None):
+        # query [1, H, N, D] at positions within q_range (inclusive) -> [1, H, N, D]
+        runs = self.runs(end)
+        if len(runs) == 1 or end <= GATHER_MAX_KEYS:
+            keys, values = (_joined([tensor[i, layer, :, slot:slot + n] for tensor, slot, _, n in runs])[None]
+                            for i in (0, 1))
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
+                                                  scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
+        full = None
+        parts = []
+        for tensor, slot, pos, n in runs:
+            if pos > q_range[1]:
+                continue                                    # entirely after every query
+            run_mask = None
+            if window is not None or pos + n - 1 > q_range[0]:
+                full = explicit_mask() if full is None else full
+                run_mask = None if full is None else full[:, pos:pos + n]
+                if run_mask is not None and not bool(run_mask.any()):
+                    continue
+            keys, values = tensor[0, layer, :, slot:slot + n][None], tensor[1, layer, :, slot:slot + n][None]
+            parts.append(attend_with_lse(query, keys, values, run_mask, scaling))
+        return merge_by_lse(parts)
+
+
+def _joined(views: list) -> torch.Tensor:
+    return views[0] if len(views) == 1 else torch.cat(views, dim=1)
+
+
+def attend_with_lse(query, keys, values, mask, scale):
+    """Attention of query [1, H, N, D] over one run of keys [1, Hkv, S, D]: (out [1, H, N, D], lse [1, H, N])."""
+    _, heads, n, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = query.reshape(1, kv_heads, group * n, dim)                      # rows: (group, position)
+    additive = None
+    visible = None
+    if mask is not None:
+        rows = mask.repeat(group, 1)                                    # [G * N, S]
+        visible = rows.any(-1)
+        additive = torch.zeros(rows.shape, dtype=query.dtype, device=query.device).masked_fill(~rows, float("-inf"))
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, keys, values, 0.0, False, attn_mask=additive, scale=scale)
+    else:
+        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+        if additive is not None:
+            scores = scores + additive.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
+    if visible is not None:
+        lse = lse.masked_fill(~visible, float("-inf"))
+    return out.reshape(1, heads, n, dim), lse.reshape(1, heads, n)
+
+
+def merge_by_lse(parts):
+    """Combine per-run attention outputs into attention over all runs."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lses = torch.stack([lse.float() for _, lse in parts])                # [R, 1, H, N]
+    total = torch.logsumexp(lses, dim=0)
+    out = None
+    for (part, _), lse in zip(parts, lses):
+        weight = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+        term = (part.float() * weight).nan_to_num(0.0)
+        out = term if out is None else out + term
+    return out.to(parts[0][0].dtype)

@@ -1,0 +1,74 @@
+"""Our own loop over the decoder layers: embeddings, rotary, layers, final norm, lm_head.
+
+`kv` is a sequence's KV (kv/contiguous.py or kv/paged.py; any object with their `write`,
+`write_at`, `gather`, `attend` and `device`); a selector narrows a scattered forward after one
+layer (see request/blend.py). Neither is imported: this room depends on no other.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .arch import ModelAdapter
+from .attention import ATTENTION_NAME, AttentionStep, ScatterStep
+
+
+class TokenSelector(Protocol):
+    layer: int
+
+    def keep(self, deviation: torch.Tensor) -> torch.Tensor:
+        """Indices (ascending) of the active tokens to keep after `layer`, given their KV deviation [A]."""
+
+
+def use_kvboost_attention(model: torch.nn.Module) -> None:
+    """Route the model's attention modules to our function (plain HF calls still fall back to SDPA)."""
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except (AttributeError, ValueError, KeyError):
+        model.config._attn_implementation = ATTENTION_NAME
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.config._attn_implementation = ATTENTION_NAME
+
+
+class Forward:
+    """Runs new tokens over a sequence's KV and returns last-position logits."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+        use_kvboost_attention(adapter.model)
+
+    @torch.inference_mode()
+    def __call__(self, kv, token_ids: list[int], start: int) -> torch.Tensor:
+        """Compute KV for `token_ids` at positions start.. and return logits [vocab] (fp32)."""
+        a = self.adapter
+        end = start + len(token_ids)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=a.device)          # [1, N]
+        positions = torch.arange(start, end, device=a.device)[None, :]              # [1, N]
+        hidden = a.embed(ids)                                                       # [1, N, hidden]
+        rope = a.position_embeddings(hidden, positions)
+        step = AttentionStep(kv, start, end, a.layer_windows)
+        for layer_idx in range(len(a.layers)):
+            hidden = a.run_layer(layer_idx, hidden, rope, positions, step)
+        return a.logits_last(hidden)
+
+    @torch.inference_mode()
+    def scattered(self, kv, token_ids: list[int], positions: torch.Tensor, end: int,
+                  selector: TokenSelector | None = None) -> torch.Tensor:
+        """Compute the tokens at `positions` (ascending, the last one is end - 1) over the KV
+        already in `kv`; with a selector, narrow to the tokens it keeps after its check layer."""
+        a = self.adapter
+        positions = positions.to(a.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None]   # [1, A]
+        hidden = a.embed(ids)                                                                # [1, A, hidden]
+        masks: dict = {}
+        for layer_idx in range(len(a.layers)):
+            measure = selector is not None and layer_idx == selector.layer
+            step = ScatterStep(kv, positions, end, a.layer_windows, measure, masks)
+            rope = a.position_embeddings(hidden, positions[None])
+            hidden = a.run_layer(layer_idx, hidden, rope, positions[None], step)
+            if measure:
+                keep = selector.keep(step.deviation).to(a.device)
+                hidden, positions = hidden[:, keep], positions[keep]
+                masks = {}
+        return a.logits_last(hidden)

@@ -1,0 +1,207 @@
+"""Prefill with reuse: plan (exact prefix + moved spans + new tokens), build the sequence's KV,
+compute the rest.
+
+- Exact prefix KV: a paged sequence maps the cached blocks (a shared partial last block is
+  copied on write); a contiguous sequence copies them in.
+- Moved spans (documents / plain text cached elsewhere) are copied in with their keys
+  re-rotated to the new positions; then, by strategy:
+    blend - every moved token is recomputed up to the check layer, and only those whose KV
+            deviates most (plus the first tokens of each span) from there on;
+    none  - moved tokens are not recomputed at all;
+    full  - moved lookup is skipped: everything after the exact prefix is computed.
+- New tokens are always computed through all layers. The last prompt token is never reused,
+  so there are logits to sample from.
+All memory a request needs is reserved before any compute; if the pool cannot provide it even
+after evicting cached chunks, the request is refused with a BudgetError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.arch import ModelAdapter
+from .blend import Selector
+from .runner import ModelRunner
+from ..kv.cache import ChunkCache, Match
+from ..config import EngineConfig
+from ..errors import BudgetError
+from ..kv.contiguous import SequenceKV
+from ..kv.paged import PagedSequence
+from ..model.rope import RopeMover
+from .tokens import TokenizedPrompt
+from ..kv.tree import KVSpan
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """The sequence holding the prompt's KV, logits after the prompt, and what the KV is made of."""
+
+    sequence: object
+    logits: torch.Tensor
+    reused_exact: int       # from exact-prefix hits on exact KV
+    reused_moved: int       # from moved hits (or prefix hits on repaired KV)
+    recomputed: int         # moved tokens the repair then recomputed through every layer
+    exact_upto: int         # KV before this position equals a full prefill's
+
+
+@dataclass(slots=True)
+class PrefillParts:
+    adapter: ModelAdapter
+    runner: ModelRunner
+    cache: ChunkCache
+    mover: RopeMover
+    config: EngineConfig
+
+
+def prefill(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int) -> Prefilled:
+    """Build a sequence for prompt + `new_tokens`, reusing what the cache has; compute the rest."""
+    try:
+        sequence, match, moved = _assemble(parts, prompt, new_tokens, use_moved=True)
+    except _MovedSourcesHeldTheRoom:
+        # The moved spans' source blocks, held while the sequence is built, were what was missing:
+        # a request that fits the pool alone runs, with those tokens recomputed instead.
+        sequence, match, moved = _assemble(parts, prompt, new_tokens, use_moved=False)
+    try:
+        return _compute(parts, prompt, sequence, match, moved)
+    except BaseException:
+        sequence.release()
+        raise
+
+
+class _MovedSourcesHeldTheRoom(Exception):
+    pass
+
+
+def _assemble(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int, use_moved: bool):
+    """(sequence with the exact prefix and moved spans in place, the match, the moved spans)."""
+    n = len(prompt)
+    match = parts.cache.match(prompt.token_ids, n - 1, prompt.chunk_ends)
+    moved, sequence, handed_over = [], None, False
+    try:
+        if use_moved:
+            moved = _moved_spans(parts, prompt, match.length, n + new_tokens)
+        handed_over = True                  # from here _sequence owns match.table, even when it fails
+        sequence = _sequence(parts, match, n + new_tokens)
+        for span in moved:
+            _load_moved(parts, sequence, span)
+    except BaseException as err:
+        if sequence is not None:
+            sequence.release()
+        elif not handed_over:
+            parts.cache.release(match.table)
+        if isinstance(err, BudgetError) and moved:
+            raise _MovedSourcesHeldTheRoom() from err
+        raise
+    finally:
+        for span in moved:
+            parts.cache.release(span.table)
+    return sequence, match, moved
+
+
+def _sequence(parts: PrefillParts, match: Match, capacity: int):
+    """A sequence with the matched prefix in place and room for `capacity` positions."""
+    pool = parts.cache.pool
+    if not parts.config.paged:
+        sequence = SequenceKV(parts.adapter.geometry, capacity, parts.adapter.device, pool)
+        try:
+            if match.length:
+                sequence.load(pool.read(match.table, 0, match.length), 0)
+        finally:
+            parts.cache.release(match.table)
+        return sequence
+    b = pool.block_tokens
+    own = -(-capacity // b) - len(match.table) + (1 if match.length % b else 0)
+    parts.cache.make_room(own)
+    if match.length % b and pool.free_blocks() < own:
+        # No room for a private copy of the shared partial block next to it: give the block back
+        # and recompute its positions instead (a request that fits the pool alone always runs).
+        _trim_to_block(match, parts.cache)
+        parts.cache.make_room(own)              # as many own blocks, but the shared one is free to go
+    sequence = PagedSequence(pool, capacity)
+    sequence.map_shared(match.table)
+    try:
+        if match.length % b:
+            sequence.copy_on_write(match.length // b, match.length)
+        sequence.reserve()
+    except BaseException as err:
+        sequence.release()
+        if isinstance(err, BudgetError):
+            raise BudgetError(f"request refused before any work: it needs KV for {capacity} positions; {err}") from None
+        raise
+    return sequence
+
+
+def _trim_to_block(match: Match, cache: ChunkCache) -> None:
+    """Shorten `match` to its last whole block, giving back the partial block's reference."""
+    drop = match.length % cache.block_tokens
+    cache.release([match.table.pop()])
+    while drop:
+        span = match.spans[-1]
+        node, offset, count = span.pieces[-1]
+        take = min(drop, count)
+        span.length -= take
+        drop -= take
+        if take == count:
+            span.pieces.pop()
+        else:
+            span.pieces[-1] = (node, offset, count - take)
+        if not span.pieces:
+            match.spans.pop()
+
+
+def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, max_position: int) -> list[KVSpan]:
+    if parts.config.moved_reuse == "full" or not parts.mover.can_move(max_position):
+        return []
+    n = len(prompt)
+    return parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len, n - 1)
+
+
+def _load_moved(parts: PrefillParts, sequence, span: KVSpan) -> None:
+    kv = parts.cache.pool.read(span.table, span.source_start, span.length)
+    if span.source_start != span.start:
+        parts.mover.move(kv[0], span.source_start, span.start)             # keys [layers, kv_heads, n, D]
+    sequence.load(kv, span.start)
+
+
+def _compute(parts: PrefillParts, prompt: TokenizedPrompt, sequence, match: Match, moved: list[KVSpan]) -> Prefilled:
+    n = len(prompt)
+    prefix_len = match.length
+    reused_exact = sum(s.length for s in match.spans if s.exact)
+    exact_upto = next((s.start for s in match.spans if not s.exact), moved[0].start if moved else n)
+    reused_moved = prefix_len - reused_exact + sum(s.length for s in moved)
+    recomputed = 0
+    if not moved:
+        logits = _chunked(parts, sequence, prompt.token_ids, prefix_len)
+    else:
+        logits, recomputed = _repair(parts, prompt, sequence, prefix_len, moved)
+    return Prefilled(sequence, logits, reused_exact, reused_moved, recomputed, exact_upto)
+
+
+def _chunked(parts: PrefillParts, sequence, token_ids: list[int], start: int) -> torch.Tensor:
+    """Compute token_ids[start:] in pieces of prefill_chunk_tokens (bounded activation and mask
+    memory; other requests' decode steps can run between pieces)."""
+    chunk = parts.config.prefill_chunk_tokens
+    logits = None
+    for begin in range(start, len(token_ids), chunk):
+        logits = parts.runner.forward(sequence, token_ids[begin:begin + chunk], begin, "prefill")
+    return logits
+
+
+def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv, prefix_len: int,
+            moved: list[KVSpan]) -> tuple[torch.Tensor, int]:
+    """Compute new tokens (and, for blend, selected moved tokens). Returns (logits, moved tokens recomputed)."""
+    n = len(prompt)
+    is_moved = torch.zeros(n, dtype=torch.bool)
+    is_head = torch.zeros(n, dtype=torch.bool)
+    for span in moved:
+        is_moved[span.start:span.start + span.length] = True
+        is_head[span.start:span.start + parts.config.recompute_head_tokens] = True
+    positions = torch.arange(prefix_len, n)
+    if parts.config.moved_reuse == "none":
+        positions = positions[~is_moved[prefix_len:]]
+        return parts.runner.scattered(kv, prompt.token_ids, positions, n), 0
+    layer = min(parts.config.check_layer, len(parts.adapter.layers) - 1)
+    selector = Selector(is_moved[positions], is_head[positions], parts.config.recompute_ratio, layer)
+    logits = parts.runner.scattered(kv, prompt.token_ids, positions, n, selector)
+    return logits, selector.recomputed_moved

@@ -1,0 +1,150 @@
+"""Prompt -> ordered segments.
+
+Chat messages are rendered through the model's own chat template with a placeholder in place
+of every content part; the rendered string is then split at the placeholders, so template glue,
+the system prompt, every message and every part are separate segments. Each segment is later
+tokenized on its own: the same text gives the same tokens wherever it appears.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import InputError
+
+ROLES = ("system", "user", "assistant", "tool")
+PART_TYPES = ("text", "document")
+PART_SEPARATOR = "\n\n"
+# Private-use code points: no template or tokenizer gives them meaning.
+_PLACEHOLDER = "\ue000{}\ue001"
+_PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass(slots=True, frozen=True)
+class Segment:
+    """A piece of prompt text with its role in the prompt.
+
+    kind: "glue" (template text), "system", "user", "assistant", "tool", "document",
+        "text" (a plain prompt). Content of every kind but glue is indexed for moved reuse.
+    """
+
+    text: str
+    kind: str = "text"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise InputError(f"segment text must be a string, got {type(self.text).__name__}")
+
+
+def segments_from_prompt(prompt) -> list[Segment]:
+    """A plain string, or a sequence of `Segment`/str/{"text", "kind"} items, as segments."""
+    if isinstance(prompt, str):
+        items = [Segment(prompt)]
+    elif isinstance(prompt, Sequence):
+        items = [_as_segment(item) for item in prompt]
+    else:
+        raise InputError(f"prompt must be a string or a sequence of segments, got {type(prompt).__name__}")
+    if not any(seg.text for seg in items):
+        raise InputError("prompt is empty")
+    return items
+
+
+def _as_segment(item) -> Segment:
+    if isinstance(item, Segment):
+        return item
+    if isinstance(item, str):
+        return Segment(item)
+    if isinstance(item, Mapping) and "text" in item:
+        kind = item.get("kind", item.get("type", "text"))
+        return Segment(item["text"], kind)
+    raise InputError(f"a prompt segment must be a Segment, a string or a dict with 'text', got {item!r:.80}")
+
+
+def message_parts(message) -> list[Segment]:
+    """Validate one OpenAI-style message and return its content parts as segments."""
+    if not isinstance(message, Mapping):
+        raise InputError(f"each message must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise InputError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""
+    if isinstance(content, str):
+        return [Segment(content, role)]
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        return [_part_segment(part, role) for part in content]
+    raise InputError(
+        f"message content must be a string or a list of parts, got {type(content).__name__} (role {role!r})"
+    )
+
+
+def _part_segment(part, role: str) -> Segment:
+    if not isinstance(part, Mapping) or part.get("type") not in PART_TYPES:
+        raise InputError(f"a content part must be {{'type': 'text'|'document', 'text': str}}, got {part!r:.80}")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise InputError(f"content part text must be a string, got {type(text).__name__}")
+    if part["type"] == "document":
+        return Segment(text, "document")
+    return Segment(text, role)
+
+
+class ChatRenderer:
+    """Renders messages with a tokenizer's chat template into segments."""
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        self.tokenizer = tokenizer
+
+    def render(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> list[Segment]:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise InputError("messages must be a list of {'role', 'content'} dicts")
+        if not messages:
+            raise InputError("messages is empty")
+        parts = [message_parts(m) for m in messages]
+        if not any(seg.text for msg in parts for seg in msg):
+            raise InputError("all messages are empty")
+        flat: list[Segment] = []
+        templated = []
+        for message, msg_parts in zip(messages, parts):
+            marks = []
+            for seg in msg_parts:
+                marks.append(_PLACEHOLDER.format(len(flat)))
+                flat.append(seg)
+            templated.append({**message, "content": PART_SEPARATOR.join(marks)})
+        rendered = self._apply(templated, add_generation_prompt, template_kwargs)
+        segments = _split_rendered(rendered, flat)
+        real = [{**m, "content": PART_SEPARATOR.join(s.text for s in p)} for m, p in zip(messages, parts)]
+        if segments is None or "".join(s.text for s in segments) != self._apply(real, add_generation_prompt, template_kwargs):
+            # The template rewrites content (trim, escaping...): keep it correct as one plain segment.
+            return [Segment(self._apply(real, add_generation_prompt, template_kwargs), "text")]
+        return segments
+
+    def _apply(self, messages, add_generation_prompt: bool, template_kwargs: dict) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+
+
+def _split_rendered(rendered: str, parts: list[Segment]) -> list[Segment] | None:
+    """Split at placeholders: glue, part 0, glue, part 1, ... Returns None if they are not all there in order."""
+    segments: list[Segment] = []
+    cursor = 0
+    expected = 0
+    for match in _PLACEHOLDER_RE.finditer(rendered):
+        if int(match.group(1)) != expected:
+            return None
+        if match.start() > cursor:
+            segments.append(Segment(rendered[cursor:match.start()], "glue"))
+        if parts[expected].text:
+            segments.append(parts[expected])
+        cursor = match.end()
+        expected += 1
+    if expected != len(parts):
+        return None
+    if cursor < len(rendered):
+        segments.append(Segment(rendered[cursor:], "glue"))
+    return segments

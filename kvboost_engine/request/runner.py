@@ -1,0 +1,37 @@
+"""Where forwards run: one lock (one forward at a time per engine) and the instrumentation of each."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ..instrument import ForwardEvent, Instruments
+from ..model.forward import Forward
+
+
+class ModelRunner:
+    def __init__(self, forward: Forward, instruments: Instruments):
+        self.forward_pass = forward
+        self.instruments = instruments
+        self.lock = threading.Lock()
+
+    def forward(self, kv, token_ids: list[int], start: int, kind: str) -> torch.Tensor:
+        """Compute `token_ids` at positions start.. over `kv`; logits [vocab] of the last one."""
+        with self.lock:
+            if not self.instruments.active:
+                return self.forward_pass(kv, token_ids, start)
+            began = time.perf_counter()
+            logits = self.forward_pass(kv, token_ids, start)
+            self.instruments.emit(ForwardEvent(kind, len(token_ids), start, time.perf_counter() - began))
+            return logits
+
+    def scattered(self, kv, token_ids: list[int], positions: torch.Tensor, end: int, selector=None) -> torch.Tensor:
+        """Compute the tokens at `positions` over the KV in place (moved-reuse repair)."""
+        with self.lock:
+            began = time.perf_counter()
+            logits = self.forward_pass.scattered(kv, token_ids, positions, end, selector)
+            if self.instruments.active:
+                self.instruments.emit(ForwardEvent("repair", len(positions), int(positions[0]),
+                                                   time.perf_counter() - began))
+            return logits

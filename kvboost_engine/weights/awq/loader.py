@@ -1,0 +1,187 @@
+"""Build an HF causal LM from an AWQ GEMM checkpoint, without AutoAWQ and without the full model in memory.
+
+The model skeleton is created on the meta device; every linear layer the checkpoint stores
+as qweight/qzeros/scales becomes an AWQLinear; only the dense tensors (embeddings, norms,
+biases, lm_head) are materialised. Quantized weights are converted to the compute layout
+layer by layer: resident layers keep theirs, streamed layers go to a backing tier (a pack
+file under the kvboost cache dir, written once, or host RAM).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from torch import nn
+
+from ...paths import build_lock, cache_home
+from ...model.arch import check_supported, decoder_layers, rebuild_rotary, tie_output_embeddings
+from ...errors import InputError, UnsupportedModelError
+from ..residency import LayerBinding, resident_layers_set
+from ..memory import release_free_memory
+from ..streamer import LayerStreamer
+from ..tiers import HostRamTier, PackFileTier, write_pack_file
+from ..checkpoint import Checkpoint
+from .format import AWQConfig, awq_config_of
+from .kernels import CpuInt4PackLayout, DequantLayout, select_layout
+from .linear import AWQLinear
+
+PACK_FORMAT = "kvboost-awq-pack-1"
+STREAM_TIERS = ("disk", "ram")
+
+
+@dataclass(slots=True)
+class AWQInfo:
+    """What was loaded: layout, residency and weight bytes (reported in Engine.stats())."""
+
+    awq_kernel: str
+    awq_group_size: int
+    resident_layers: int
+    streamed_layers: int
+    resident_layer_bytes: int
+    streamed_layer_bytes: int
+    dense_weight_bytes: int
+    weights_digest: str
+    pack_file: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
+                   resident_layers: int | None = None, resident_bytes: int | None = None,
+                   stream_from: str = "disk", staging_slots: int = 2, kernel: str | None = None,
+                   pack_dir: Path | None = None) -> nn.Module:
+    """Load an AWQ (GEMM) checkpoint directory; stream all but the resident decoder layers."""
+    from transformers import AutoConfig
+
+    if stream_from not in STREAM_TIERS:
+        raise InputError(f"stream_from must be one of {STREAM_TIERS}, got {stream_from!r}")
+    config = AutoConfig.from_pretrained(directory)
+    check_supported(config)
+    awq = awq_config_of(config)
+    if awq is None:
+        raise UnsupportedModelError(f"{directory} has no AWQ quantization_config")
+    ckpt = Checkpoint(directory)
+    model = _skeleton(config, awq, ckpt, select_layout(device, kernel), dtype)
+    _load_dense(model, ckpt, dtype)
+    layers = decoder_layers(model)
+    bindings = {i: LayerBinding(awq_modules(layer)) for i, layer in enumerate(layers)}
+    resident = resident_layers_set(len(layers), resident_layers, layer_bytes=[bindings[i].nbytes for i in range(len(layers))],
+                                   resident_bytes=resident_bytes, staging_slots=staging_slots)
+    streamed = [i for i in range(len(layers)) if i not in resident and bindings[i].nbytes]
+    digest = ckpt.digest()
+    for i in sorted(set(range(len(layers))) - set(streamed)):
+        bindings[i].bind(_layer_blob(bindings[i], layers[i], ckpt).to(device))
+    model.to(device)
+    tier, pack_path = None, None
+    if streamed:
+        packed = {i: bindings[i] for i in streamed}
+        if stream_from == "disk":
+            pack_path = _pack_file(packed, layers, ckpt, digest, pack_dir)
+            tier = PackFileTier(pack_path)
+        else:
+            tier = HostRamTier({i: _layer_blob(b, layers[i], ckpt, pin=device.type == "cuda") for i, b in packed.items()})
+        model.kvboost_streamer = LayerStreamer(layers, packed, tier, staging_slots, device)
+    model.config.quantization_config = {**awq.to_dict(), "weights_digest": digest}
+    model.kvboost_awq = _info(model, awq, bindings, streamed, digest, pack_path)
+    release_free_memory(collect=True)
+    return model.eval()
+
+
+def awq_modules(layer: nn.Module) -> list[AWQLinear]:
+    """The AWQLinear modules of one decoder layer, in module order."""
+    return [m for m in layer.modules() if isinstance(m, AWQLinear)]
+
+
+def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    plain = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(plain, dtype=dtype)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and f"{name}.qweight" in ckpt:
+            k, n = module.in_features, module.out_features
+            chosen = layout
+            if isinstance(layout, CpuInt4PackLayout) and not layout.supports(k, n, awq.group_size):
+                chosen = DequantLayout()
+            replacement = AWQLinear(k, n, awq.group_size, chosen, module.bias is not None, device="meta",
+                                    dtype=dtype, checkpoint_name=name)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, replacement)
+    model.to_empty(device="cpu")
+    rebuild_rotary(model)                                           # its buffers were left unset by to_empty
+    return model
+
+
+def _load_dense(model: nn.Module, ckpt: Checkpoint, dtype) -> None:
+    """Copy every parameter and persistent buffer from the checkpoint (lm_head may be tied).
+
+    Garbage from config/tokenizer loading is returned to the OS first: the dense weights are
+    the largest allocation of a streamed model, so this is where peak RSS is set."""
+    release_free_memory()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = []
+    for name, tensor in list(model.named_parameters()) + _persistent_buffers(model):
+        if name in ckpt:
+            with torch.no_grad():
+                ckpt.copy_into(name, tensor.data)
+        elif not (tied and name == "lm_head.weight"):
+            missing.append(name)
+    if missing:
+        raise UnsupportedModelError(f"the AWQ checkpoint lacks tensors the model needs: {', '.join(missing[:8])}")
+    if tied:
+        tie_output_embeddings(model)
+
+
+def _persistent_buffers(model: nn.Module) -> list:
+    out = []
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out.append((f"{module_name}.{name}" if module_name else name, buf))
+    return out
+
+
+def _prepared(module: AWQLinear, prefix: str, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    return module.layout.prepare(ckpt.read(f"{prefix}.qweight"), ckpt.read(f"{prefix}.qzeros"),
+                                 ckpt.read(f"{prefix}.scales"), module.group_size)
+
+
+def _layer_blob(binding: LayerBinding, layer: nn.Module, ckpt: Checkpoint, pin: bool = False) -> torch.Tensor:
+    """One layer's weights in its compute layout, as one uint8 blob (see residency.LayerBinding).
+
+    The conversion's temporaries (unpacked nibbles, int32 copies) are handed back to the OS
+    before the next layer, so they neither add up nor fragment the heap across layers."""
+    out = torch.zeros(binding.nbytes, dtype=torch.uint8, pin_memory=pin)
+    binding.pack([_prepared(m, m.checkpoint_name, ckpt) for m in awq_modules(layer)], out)
+    release_free_memory()
+    return out
+
+
+def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, digest: str, pack_dir) -> Path:
+    """The streamed layers' blobs in a file under the cache dir, written once per checkpoint and layout."""
+
+    layouts = sorted({m.layout.name for i in bindings for m in awq_modules(layers[i])})
+    key = xxhash.xxh3_64_hexdigest(":".join([PACK_FORMAT, digest, torch.__version__, ",".join(layouts),
+                                             torch.backends.cpu.get_cpu_capability(), repr(sorted(bindings))]).encode())
+    target = Path(pack_dir or cache_home() / "awq-packs") / f"{key}.safetensors"
+    if not target.exists():
+        with build_lock(target):
+            if not target.exists():
+                sizes = {i: b.nbytes for i, b in bindings.items()}
+                blobs = ((i, _layer_blob(bindings[i], layers[i], ckpt)) for i in sorted(bindings))
+                write_pack_file(target, sizes, blobs, {"format": PACK_FORMAT, "weights_digest": digest,
+                                                       "layouts": ",".join(layouts)})
+    return target
+
+
+def _info(model, awq: AWQConfig, bindings, streamed, digest, pack_path) -> AWQInfo:
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    streamed_bytes = sum(bindings[i].nbytes for i in streamed)
+    total = sum(b.nbytes for b in bindings.values())
+    kernels = sorted({m.layout.name for b in bindings.values() for m, _, _ in b.placed})
+    return AWQInfo(",".join(kernels), awq.group_size, len(bindings) - len(streamed), len(streamed),
+                   total - streamed_bytes, streamed_bytes, dense, digest, str(pack_path) if pack_path else None)

@@ -1,0 +1,106 @@
+"""Building an engine's parts from a model and its options (the engine itself only wires them up)."""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import weakref
+
+import torch
+import xxhash
+
+from .config import EngineConfig
+from .errors import InputError
+from .kv.codec import Int8Codec
+from .kv.pool import BlockPool
+from .model.arch import ModelAdapter
+
+log = logging.getLogger(__name__)
+
+
+def pool_for(config: EngineConfig, adapter: ModelAdapter) -> BlockPool:
+    """The KV block pool: `kv_pool_bytes`, else the cache budget plus two full-window requests."""
+    per_request = adapter.context_window * adapter.geometry.bytes_per_token
+    running = 2 * per_request if config.paged else 0    # contiguous requests bring their own buffers
+    ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + running
+    spill_dir = os.path.join(config.disk_cache_dir, "spill") if config.disk_cache_dir else None
+    device = torch.device(config.kv_device) if config.kv_device else adapter.device
+    pin = device.type == "cpu" and adapter.device.type == "cuda"      # fast, async-capable copies
+    return BlockPool(adapter.geometry, ram, device, block_tokens=config.block_tokens,
+                     spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0, pin_memory=pin)
+
+
+def cache_budget(config: EngineConfig, pool: BlockPool) -> int:
+    """`cache_bytes`, clamped to what the pool holds (cached chunks live in the pool)."""
+    pool_bytes = pool.ram_blocks * pool.block_bytes
+    if config.cache_bytes > pool_bytes:
+        if config.kv_pool_bytes is not None:
+            log.warning("cache_bytes=%d is larger than the KV pool (kv_pool_bytes=%d, %d bytes of whole "
+                        "blocks): the cache may hold at most the pool", config.cache_bytes, config.kv_pool_bytes,
+                        pool_bytes)
+        return pool_bytes
+    return config.cache_bytes
+
+
+def disk_tier_for(config: EngineConfig, fingerprint: bytes):
+    if not config.disk_cache_dir:
+        return None
+    from .kv.disk import DiskTier
+    if config.disk_kv_int8:                         # int8 and float entries never mix
+        fingerprint = xxhash.xxh3_128_digest(fingerprint + b"int8")
+    return DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint)
+
+
+def disk_codec_for(config: EngineConfig, adapter: ModelAdapter):
+    return Int8Codec(adapter.geometry) if config.disk_kv_int8 else None
+
+
+def flush_at_exit(tier):
+    """Register a flush of the tier's pending writes at interpreter exit; returns the registered
+    function (for `atexit.unregister` when the engine closes first)."""
+    ref = weakref.ref(tier)
+
+    def flush() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.flush(timeout=60)
+
+    atexit.register(flush)
+    return flush
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise InputError(f"dtype must be one of {', '.join(names)} or a torch.dtype, got {dtype!r}")
+    return names[dtype]
+
+
+def eos_ids(model, tokenizer) -> frozenset:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def weight_stats(model) -> dict:
+    """AWQ loading and layer-streaming telemetry, when the model has them."""
+    out = {}
+    info = getattr(model, "kvboost_awq", None)
+    if info is not None:
+        out.update(info.as_dict())
+    streamer = getattr(model, "kvboost_streamer", None)
+    if streamer is not None:
+        out.update(streamer.telemetry())
+    return out
