@@ -22,9 +22,11 @@ class EngineConfig:
     reply_memo_entries: how many recent replies remember the exact token ids the model
         generated, so the next turn's prompt re-uses those ids instead of re-tokenizing.
     moved_reuse: what to do with documents / plain text found cached at another position:
-        "blend" (default) re-rotates their keys and recomputes the `recompute_ratio` share of
-        tokens whose KV deviates most at `check_layer` (plus the first `recompute_head_tokens`
-        of each moved span); "none" re-rotates only; "full" recomputes them all (no moved reuse).
+        "full" (default) recomputes them (exact-prefix reuse only: replies identical to no cache);
+        "blend" (opt-in, approximate) re-rotates their keys and recomputes the `recompute_ratio`
+        share of tokens whose KV deviates most at `check_layer` (plus the first
+        `recompute_head_tokens` of each moved span): faster, but it changes some answers (the
+        README gives the measured cost); "none" re-rotates only.
     paged: keep each request's KV as a block table over a shared pool (default on CPU): cached
         prefixes are mapped without copying. False: one contiguous buffer per request.
     prefill_chunk_tokens: longest run of new prompt tokens computed in one forward (bounds
@@ -47,7 +49,7 @@ class EngineConfig:
     cache_bytes: int = DEFAULT_CACHE_BYTES
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     reply_memo_entries: int = 512
-    moved_reuse: str = "blend"
+    moved_reuse: str = "full"
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 4
     check_layer: int = 1
