@@ -8,6 +8,7 @@ from .errors import InputError
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CHUNK_TOKENS = 256
 MOVED_STRATEGIES = ("blend", "none", "full")
+MOVED_SELECTIONS = ("deviation", "attention")
 DEFAULT_DISK_BYTES = 8 * 1024**3
 KV_DEVICES = (None, "cpu")
 
@@ -27,6 +28,10 @@ class EngineConfig:
         share of tokens whose KV deviates most at `check_layer` (plus the first
         `recompute_head_tokens` of each moved span): faster, but it changes some answers (the
         README gives the measured cost); "none" re-rotates only.
+    moved_selection: how "blend" chooses the moved tokens to recompute: "deviation" (CacheBlend:
+        the KV that changes most when recomputed at `check_layer`) or "attention" (ProphetKV-style:
+        the tokens the new tokens attend to most over the first check_layer + 1 layers, measured by a
+        probe pass of the new tokens over the moved KV).
     paged: keep each request's KV as a block table over a shared pool (default on CPU): cached
         prefixes are mapped without copying. False: one contiguous buffer per request.
     prefill_chunk_tokens: longest run of new prompt tokens computed in one forward (bounds
@@ -53,6 +58,7 @@ class EngineConfig:
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 4
     check_layer: int = 1
+    moved_selection: str = "deviation"
     paged: bool | None = None
     prefill_chunk_tokens: int = 1024
     block_tokens: int = 16
@@ -73,6 +79,8 @@ class EngineConfig:
             raise InputError(f"moved_reuse must be one of {', '.join(MOVED_STRATEGIES)}, got {self.moved_reuse!r}")
         if not 0 <= self.recompute_ratio <= 1:
             raise InputError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if self.moved_selection not in MOVED_SELECTIONS:
+            raise InputError(f"moved_selection must be one of {', '.join(MOVED_SELECTIONS)}, got {self.moved_selection!r}")
         if self.recompute_head_tokens < 0 or self.check_layer < 0:
             raise InputError("recompute_head_tokens and check_layer must be >= 0")
         if self.prefill_chunk_tokens < 1:
