@@ -22,6 +22,8 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 
+import torch
+
 from ..errors import BudgetError, KVBoostError
 from ..kv.tree import common_prefix
 from .decode import Decoding, EngineParts, Request
@@ -123,6 +125,10 @@ class Scheduler:
 
     # ---- the loop -----------------------------------------------------------------------
     def _loop(self) -> None:
+        with torch.inference_mode():        # grad mode is per thread: KV made inside or outside one works
+            self._run()
+
+    def _run(self) -> None:
         while True:
             with self._cond:
                 if self._closed:
@@ -233,7 +239,9 @@ class Scheduler:
             items.append(decoding.next_input())
             want.append(True)
         budget = self.max_batch_tokens - len(items)
-        for pre in self._prefilling:
+        # Shortest remaining prompt first: a short request arriving during a long prefill rides the
+        # next chunk's forward (its TTFT is one chunk, not the whole long prompt).
+        for pre in sorted(self._prefilling, key=lambda p: len(p.request.prompt) - p.cursor):
             if budget <= 0:
                 break
             n = len(pre.request.prompt)

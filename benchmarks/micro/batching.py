@@ -1,0 +1,215 @@
+"""Continuous batching: throughput and latency of concurrent chats, side by side with transformers'
+own continuous batching, a short request during a long prefill, and KV blocks at 16 concurrent.
+
+Sections:
+  levels      1, 2, 4, 8, 16 concurrent chats (distinct questions over one ~1k-token system prompt,
+              64 new tokens each, greedy, the system prompt warmed once): aggregate decode tokens/s,
+              p50/p99 per-token latency, speed-up over serial (the same chats one after another),
+              greedy outputs identical to serial; the bound from the weight-read time.
+  transformers the same 8 chats through transformers' generate_batch (paged, block sharing on) vs
+              ours: wall time, throughput and TTFT; then the same prompts again (a second wave).
+  prefill     a short request arriving during a ~4k-token prefill: its TTFT vs the long prefill's.
+  memory      pool blocks in use at 16 concurrent chats over the system prompt vs 16 copies of it.
+
+Run alone on a quiet machine:
+  python -m benchmarks.micro.batching [--sections levels,transformers,prefill,memory] [--out benchmarks/results/batching.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kvboost_engine import Engine, ForwardEvent
+
+from .._common import environment, load_default
+from .paged import long_text
+
+NEW_TOKENS = 64
+SYSTEM_TOKENS = 1000
+QUESTIONS = [f"Question {i}: what does record {i * 7} say, and which hall is it from?" for i in range(16)]
+
+
+def chats(system: str, n: int) -> list[list[dict]]:
+    return [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS[:n]]
+
+
+def wave(engine: Engine, conversations: list, new_tokens: int = NEW_TOKENS) -> dict:
+    """Run the conversations at once (one thread each, as framework batch calls do)."""
+    out: list = [None] * len(conversations)
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        stream = engine.stream_chat(conversations[i], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        last, mine = time.perf_counter(), []
+        for _ in stream:
+            now = time.perf_counter()
+            mine.append(now - last)
+            last = now
+        with lock:
+            gaps.extend(mine[1:])                          # between tokens (the first gap is the TTFT)
+        out[i] = stream.generation
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(conversations))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    tokens = sum(g.completion_tokens for g in out)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "gens": out,
+            "ttft_s": statistics.median(g.ttft_s for g in out), "gaps": gaps}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def weight_read_s(model) -> float:
+    """Seconds to stream every weight once from memory (the floor of one decode step)."""
+    params = [p for p in model.parameters()]
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for p in params:
+            p.sum()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def section_levels(model, tokenizer) -> dict:
+    system = long_text(SYSTEM_TOKENS, tokenizer)
+    engine = Engine(model, tokenizer)
+    engine.warm([{"role": "system", "content": system}])
+    serial = [wave(engine, [c]) for c in chats(system, 8)]
+    serial_tok_s = sum(w["tokens"] for w in serial) / sum(w["wall_s"] for w in serial)
+    reference = [w["gens"][0].token_ids for w in serial]
+    steps: list[float] = []
+    on = lambda e: steps.append(e.seconds) if isinstance(e, ForwardEvent) and e.kind == "decode" else None
+    with engine.instruments.subscribe(on):
+        engine.chat(chats(system, 1)[0], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    step_1 = statistics.median(steps)
+    rows = []
+    for n in (1, 2, 4, 8, 16):
+        w = wave(engine, chats(system, n))
+        same = [g.token_ids for g in w["gens"][:8]] == reference[:min(n, 8)]
+        rows.append({"concurrent": n, "tok_s": round(w["tok_s"], 2), "speedup_vs_serial": round(w["tok_s"] / serial_tok_s, 2),
+                     "p50_token_ms": round(1000 * percentile(w["gaps"], 0.5), 1),
+                     "p99_token_ms": round(1000 * percentile(w["gaps"], 0.99), 1),
+                     "median_ttft_s": round(w["ttft_s"], 3), "greedy_same_as_serial": same})
+        print(rows[-1], flush=True)
+    read = weight_read_s(model)
+    engine.close()
+    return {"serial_tok_s": round(serial_tok_s, 2), "decode_step_1_ms": round(1000 * step_1, 1),
+            "weight_read_ms": round(1000 * read, 1),
+            "bound_at_8": round(8 * step_1 / max(read, step_1 / 8), 2),
+            "note": "bound_at_8: 8 tokens per step if a step at 8 cost no more than reading the weights "
+                    "once (8 x step_1 / max(weight_read, step_1 / 8))", "rows": rows}
+
+
+def section_transformers(model, tokenizer) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    system = long_text(SYSTEM_TOKENS, tokenizer)
+    conversations = chats(system, 8)
+    theirs, _ = load_default()          # a model of its own: ours registers our attention on its model
+    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+           for c in conversations]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    cb = ContinuousBatchingConfig(allow_block_sharing=True, num_blocks=256, max_batch_tokens=512)
+    out = {"transformers": [], "kvboost": []}
+    for wave_no in (1, 2):
+        start = time.perf_counter()
+        results = theirs.generate_batch(ids, generation_config=config, continuous_batching_config=cb,
+                                       record_timestamps=True, warmup=False, persistent_manager=True)
+        wall = time.perf_counter() - start
+        tokens = sum(len(r.generated_tokens) for r in results.values())
+        ttfts = [r.timestamps[0] - r.created_time for r in results.values() if r.timestamps]
+        out["transformers"].append({"wave": wave_no, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2),
+                                    "median_ttft_s": round(statistics.median(ttfts), 3)})
+        print(out["transformers"][-1], flush=True)
+    if hasattr(theirs, "destroy_cached_continuous_batching_manager"):
+        theirs.destroy_cached_continuous_batching_manager()
+    del theirs
+    engine = Engine(model, tokenizer)
+    for wave_no in (1, 2):
+        w = wave(engine, conversations)
+        out["kvboost"].append({"wave": wave_no, "wall_s": round(w["wall_s"], 2), "tok_s": round(w["tok_s"], 2),
+                               "median_ttft_s": round(w["ttft_s"], 3)})
+        print(out["kvboost"][-1], flush=True)
+    engine.close()
+    return out
+
+
+def section_prefill(model, tokenizer) -> dict:
+    long_prompt = long_text(4000, tokenizer)
+    engine = Engine(model, tokenizer, cache_bytes=0)
+    chunk = engine.config.prefill_chunk_tokens
+    alone = engine.generate("Hi, who are you?", max_new_tokens=2)
+    chunk_s: list[float] = []
+    on = lambda e: chunk_s.append(e.seconds) if isinstance(e, ForwardEvent) else None
+    with engine.instruments.subscribe(on):
+        long = engine.stream(long_prompt, max_new_tokens=2)
+        time.sleep(0.5)                                      # the long prefill is under way
+        short = engine.generate("Hi, who are you?", max_new_tokens=2)
+        long_gen = long.collect()
+    engine.close()
+    return {"prefill_chunk_tokens": chunk, "long_prompt_tokens": long_gen.prompt_tokens,
+            "long_ttft_s": round(long_gen.ttft_s, 3), "short_ttft_s": round(short.ttft_s, 3),
+            "short_alone_ttft_s": round(alone.ttft_s, 3), "max_forward_s": round(max(chunk_s), 3),
+            "note": "the short request joins the next chunk's forward: its TTFT is about one chunk "
+                    "plus its own prompt, not the whole long prefill"}
+
+
+def section_memory(model, tokenizer) -> dict:
+    system = long_text(SYSTEM_TOKENS, tokenizer)
+    engine = Engine(model, tokenizer)
+    engine.warm([{"role": "system", "content": system}])
+    prompt_blocks = engine.stats()["pool_blocks_used"]
+    streams = [engine.stream_chat(c, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS) for c in chats(system, 16)]
+    for s in streams:
+        next(s)
+    used = engine.stats()["pool_blocks_used"]
+    for s in streams:
+        s.collect()
+    engine.close()
+    return {"system_prompt_blocks": prompt_blocks, "blocks_in_use_at_16": used,
+            "sixteen_copies_would_be": 16 * prompt_blocks,
+            "per_chat_own_blocks": round((used - prompt_blocks) / 16, 1)}
+
+
+SECTIONS = {"levels": section_levels, "transformers": section_transformers, "prefill": section_prefill,
+            "memory": section_memory}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--out", default="benchmarks/results/batching.json")
+    parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt")
+    args = parser.parse_args(argv)
+    global NEW_TOKENS, SYSTEM_TOKENS
+    if args.smoke:
+        NEW_TOKENS, SYSTEM_TOKENS = 8, 100
+    model, tokenizer = load_default()
+    result = {"environment": environment(model)}
+    for name in args.sections.split(","):
+        print(f"== {name}", flush=True)
+        with torch.inference_mode():
+            result[name] = SECTIONS[name](model, tokenizer)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
