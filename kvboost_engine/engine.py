@@ -47,7 +47,7 @@ class Engine:
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         adapter = ModelAdapter(model)
         self.adapter = adapter
-        self.fingerprint = model_fingerprint(model, adapter.rope_settings())
+        self.fingerprint = model_fingerprint(model, adapter.rope_settings(), tokenizer)
         if self.config.paged is None:
             paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
             self.config = dataclasses.replace(self.config, paged=paged)
