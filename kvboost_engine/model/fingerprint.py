@@ -35,17 +35,24 @@ def model_fingerprint(model: torch.nn.Module, rope_settings: dict, tokenizer=Non
     quantization = getattr(config, "quantization_config", None)
     h.update(repr(quantization).encode())
     checkpoint_digest = quantization.get("weights_digest") if isinstance(quantization, dict) else None
-    if checkpoint_digest:
-        h.update(f"checkpoint:{checkpoint_digest}".encode())
-    else:
-        h.update(weights_digest(model))
-    h.update(tokenizer_digest(tokenizer))
+    with ThreadPoolExecutor(max_workers=_workers()) as pool:
+        tokenizer_part = pool.submit(tokenizer_digest, tokenizer)       # overlaps the tensors
+        if checkpoint_digest:
+            h.update(f"checkpoint:{checkpoint_digest}".encode())
+        else:
+            h.update(weights_digest(model, pool=pool))
+        h.update(tokenizer_part.result())
     return h.digest()
 
 
-def weights_digest(model: torch.nn.Module, threads: int | None = None) -> bytes:
-    """xxh3-128 over the names, shapes, dtypes and all bytes of every tensor of the state dict.
-    A tensor shared under two names (tied embeddings) is hashed once and named as an alias."""
+def _workers() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+def weights_digest(model: torch.nn.Module, threads: int | None = None, pool: ThreadPoolExecutor | None = None) -> bytes:
+    """xxh3-128 over the names, shapes, dtypes and all bytes of every tensor of the state dict,
+    tensors hashed by `threads` threads (or on `pool`). A tensor shared under two names (tied
+    embeddings) is hashed once and named as an alias."""
     named = sorted(model.state_dict().items())
     first_name: dict[tuple, str] = {}
     labels, unique = [], []
@@ -57,9 +64,11 @@ def weights_digest(model: torch.nn.Module, threads: int | None = None) -> bytes:
         first_name.setdefault(ident, name)
         labels.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}")
         unique.append(tensor)
-    workers = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    if pool is not None:
         digests = list(pool.map(tensor_digest, unique))
+    else:
+        with ThreadPoolExecutor(max_workers=threads or _workers()) as own:
+            digests = list(own.map(tensor_digest, unique))
     h = xxhash.xxh3_128()
     h.update("\n".join(labels).encode())
     for digest in digests:
