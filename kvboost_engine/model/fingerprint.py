@@ -7,10 +7,12 @@ all of it (AWQ, layer streaming), by that checkpoint's own full content hash
 settings and the tokenizer (its whole serialized form: vocabulary, merges, normalizer, added and
 special tokens; and the chat template).
 
-Cost at load, SmolLM2-135M-Instruct in fp32 (538 MB of tensors, tied embeddings hashed once) on
-the 2-core development machine under heavy load: 0.45 s for the tensors, 0.2 s for the
-tokenizer; xxh3 itself runs at memory speed, so a quiet machine with more cores takes a fraction
-of that.
+Cost at load, SmolLM2-135M-Instruct in fp32 (538 MB of tensors, tied embeddings hashed once;
+`python -m benchmarks.micro.fingerprint`): on the 2-core development machine, shared with other
+work (load average about 15), 0.3-0.6 s for the tensors (0.9-1.8 GB/s) and 0.2-0.4 s for the
+tokenizer, partly overlapped: building an Engine took 0.55-1.8 s as the load varied (0.1 s with
+the old sampled fingerprint). xxh3 runs at memory speed, so a quiet machine with more cores
+takes a fraction of that.
 """
 from __future__ import annotations
 
