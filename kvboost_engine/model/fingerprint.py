@@ -8,11 +8,11 @@ settings and the tokenizer (its whole serialized form: vocabulary, merges, norma
 special tokens; and the chat template).
 
 Cost at load, SmolLM2-135M-Instruct in fp32 (538 MB of tensors, tied embeddings hashed once;
-`python -m benchmarks.micro.fingerprint`): on the 2-core development machine, shared with other
-work (load average about 15), 0.3-0.6 s for the tensors (0.9-1.8 GB/s) and 0.2-0.4 s for the
-tokenizer, partly overlapped: building an Engine took 0.55-1.8 s as the load varied (0.1 s with
-the old sampled fingerprint). xxh3 runs at memory speed, so a quiet machine with more cores
-takes a fraction of that.
+`python -m benchmarks.micro.fingerprint`), on the 2-core development machine shared with other
+work (load average 6): 0.29 s for the tensors (1.9 GB/s), 0.10 s for the tokenizer; building an
+Engine took 0.36 s, against 0.016 s with the old fingerprint (4 KiB sampled at each end of each
+tensor). Under heavier load (15-19) it took 0.55-1.8 s. xxh3 runs at memory speed, so a quiet
+machine with more cores takes a fraction of that.
 """
 from __future__ import annotations
 
