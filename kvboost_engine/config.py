@@ -10,6 +10,7 @@ from .errors import InputError
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CHUNK_TOKENS = 256
 MOVED_STRATEGIES = ("blend", "none", "full")
+MOVED_SELECTIONS = ("deviation", "attention")
 DEFAULT_DISK_BYTES = 8 * 1024**3
 KV_DEVICES = (None, "cpu")
 
@@ -24,9 +25,15 @@ class EngineConfig:
     reply_memo_entries: how many recent replies remember the exact token ids the model
         generated, so the next turn's prompt re-uses those ids instead of re-tokenizing.
     moved_reuse: what to do with documents / plain text found cached at another position:
-        "blend" (default) re-rotates their keys and recomputes the `recompute_ratio` share of
-        tokens whose KV deviates most at `check_layer` (plus the first `recompute_head_tokens`
-        of each moved span); "none" re-rotates only; "full" recomputes them all (no moved reuse).
+        "full" (default) recomputes them (exact-prefix reuse only: replies identical to no cache);
+        "blend" (opt-in, approximate) re-rotates their keys and recomputes the `recompute_ratio`
+        share of tokens whose KV deviates most at `check_layer` (plus the first
+        `recompute_head_tokens` of each moved span): faster, but it changes some answers (the
+        README gives the measured cost); "none" re-rotates only.
+    moved_selection: how "blend" chooses the moved tokens to recompute: "deviation" (CacheBlend:
+        the KV that changes most when recomputed at `check_layer`) or "attention" (ProphetKV-style:
+        the tokens the new tokens attend to most over the first check_layer + 1 layers, measured by a
+        probe pass of the new tokens over the moved KV).
     paged: keep each request's KV as a block table over a shared pool (default on CPU): cached
         prefixes are mapped without copying. False: one contiguous buffer per request.
     prefill_chunk_tokens: longest run of new prompt tokens computed in one forward (bounds
@@ -49,10 +56,11 @@ class EngineConfig:
     cache_bytes: int = DEFAULT_CACHE_BYTES
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     reply_memo_entries: int = 512
-    moved_reuse: str = "blend"
+    moved_reuse: str = "full"
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 4
     check_layer: int = 1
+    moved_selection: str = "deviation"
     paged: bool | None = None
     prefill_chunk_tokens: int = 1024
     block_tokens: int = 16
@@ -69,6 +77,8 @@ class EngineConfig:
             raise InputError(f"moved_reuse must be one of {', '.join(MOVED_STRATEGIES)}, got {self.moved_reuse!r}")
         if not _real(self.recompute_ratio) or not 0 <= self.recompute_ratio <= 1:
             raise InputError(f"recompute_ratio must be a number in [0, 1], got {self.recompute_ratio!r}")
+        if self.moved_selection not in MOVED_SELECTIONS:
+            raise InputError(f"moved_selection must be one of {', '.join(MOVED_SELECTIONS)}, got {self.moved_selection!r}")
         for name in ("paged", "disk_kv_int8"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "paged" and value is None):

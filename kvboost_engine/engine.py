@@ -19,6 +19,7 @@ from .model.forward import Forward
 from .model.rope import RopeMover
 from .request.decode import EngineParts, check_window, prefill_prompt, run_request, store
 from .request.generation import Generation, GenerationStream
+from .request.ordering import order_documents
 from .request.prefill import PrefillParts
 from .request.prompt import ChatRenderer, segments_from_prompt
 from .request.runner import ModelRunner
@@ -202,6 +203,28 @@ class Engine:
         match = self.cache.match(prompt.token_ids, n)
         self.cache.release(match.table)
         return match.length
+
+    def order_documents(self, messages) -> tuple[list[dict], int]:
+        """Cache-aware document order: within each run of document parts, documents whose KV is
+        cached right after the prompt so far go first (exact-prefix hits: replies as without
+        cache for that order); the others keep their relevance order. Returns the reordered
+        messages and how many documents were placed from the cache."""
+        self._check_open()
+        self.encode_messages(messages)                      # validates before any lookup
+        encode = lambda trial: self.encode_messages(trial, add_generation_prompt=False)  # noqa: E731
+        return order_documents(list(messages), encode, self.cache.cached_prefix)
+
+    def warm_documents(self, documents, *, system: str | None = None, pin: bool = False) -> int:
+        """Cache each document as the first part of a user message after `system` (the layout of
+        `document_messages` and of prompts ordered with `order_documents`), so a later prompt that
+        starts with that document reuses it exactly. Returns tokens now cached."""
+        head = [{"role": "system", "content": system}] if system is not None else []
+        total = 0
+        for text in documents:
+            if not isinstance(text, str):
+                raise InputError(f"documents must be strings, got {type(text).__name__}")
+            total += self.warm(head + [{"role": "user", "content": [{"type": "document", "text": text}]}], pin=pin)
+        return total
 
     def stats(self) -> dict:
         """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters; for

@@ -3,7 +3,6 @@
 - `resolve_engine`: an explicit engine, or the shared one for (model, options), built lazily.
 - `generation_metadata`: our telemetry as a flat dict for response metadata.
 - `aiter_stream`: run a GenerationStream off the event loop; cancelling the consumer stops decoding.
-- `engine_options`: the engine options a caller set, so equal settings share one engine.
 - `document_reuse`: document tokens of a prompt and how many of them were reused.
 - `iter_stream` / `aiter_stream_timeout`: the same with a timeout, for adapters that take one.
 """
@@ -72,15 +71,6 @@ async def aiter_stream(start: Callable[[], GenerationStream]) -> AsyncIterator[s
         cancelled.set()
         for stream in started:
             stream.cancel()
-
-
-def engine_options(**options) -> dict:
-    """The engine options a caller actually set (None means "engine default").
-
-    Leaving unset options out keeps the shared-engine key equal for classes (LangChain,
-    LlamaIndex) that expose the same settings with different defaults.
-    """
-    return {name: value for name, value in options.items() if value is not None}
 
 
 def document_reuse(prompt: TokenizedPrompt, gen: Generation) -> dict:

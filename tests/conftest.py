@@ -30,3 +30,10 @@ def engine(smol):
 def cold_engine(smol):
     model, tokenizer = smol
     return Engine(model, tokenizer, cache_bytes=0)
+
+
+@pytest.fixture
+def moved_engine(smol):
+    """An engine with approximate moved reuse turned on (opt-in): documents found at other positions are reused."""
+    model, tokenizer = smol
+    return Engine(model, tokenizer, cache_bytes=512 * 2**20, moved_reuse="blend")

@@ -79,6 +79,7 @@ def test_bad_engine_options():
     ({"disk_kv_int8": 1}, "disk_kv_int8 must be True or False"),
     ({"disk_cache_dir": 5}, "disk_cache_dir must be None or a path"),
     ({"moved_reuse": None}, "moved_reuse must be one of"),
+    ({"moved_selection": 1}, "moved_selection must be one of"),
 ])
 def test_every_numeric_option_is_type_checked(options, match):
     with pytest.raises(InputError, match=match):

@@ -92,20 +92,28 @@ def retrieved(retriever):
     return orders
 
 
-def _engine(smol, cache_bytes):
+def _engine(smol, cache_bytes, **options):
     model, tokenizer = smol
-    return Engine(model, tokenizer, cache_bytes=cache_bytes, model_name="SmolLM2-135M-Instruct")
+    return Engine(model, tokenizer, cache_bytes=cache_bytes, model_name="SmolLM2-135M-Instruct", **options)
 
 
 @pytest.fixture(scope="module")
 def block_chain_runs(smol, retriever, retrieved):
-    """(a): answers and metadata with the cache on, and answers with it off."""
+    """(a): answers and metadata with moved reuse on (opt-in), with the defaults, and with the cache off."""
     runs = {}
-    for cache_bytes in (256 * 2**20, 0):
-        chain = retrieval_messages(retriever, system=SYSTEM) | ChatKVBoost(engine=_engine(smol, cache_bytes),
+    for name, cache_bytes, options in (("moved", 256 * 2**20, {"moved_reuse": "blend"}),
+                                       ("default", 256 * 2**20, {}), ("cold", 0, {})):
+        chain = retrieval_messages(retriever, system=SYSTEM) | ChatKVBoost(engine=_engine(smol, cache_bytes, **options),
                                                                           max_tokens=8)
-        runs[cache_bytes] = [chain.invoke(q) for q in QUESTIONS]
-    return runs[256 * 2**20], runs[0]
+        runs[name] = [chain.invoke(q) for q in QUESTIONS]
+    return runs
+
+
+def test_block_chain_with_default_settings_answers_exactly_like_the_cache_off_chain(block_chain_runs):
+    default, cold = block_chain_runs["default"], block_chain_runs["cold"]
+    assert [m.content for m in default] == [m.content for m in cold]
+    assert all(m.response_metadata["reused_moved"] == 0 for m in default)
+    assert all(m.response_metadata["reused_exact"] > 0 for m in default[1:])        # the system prompt at least
 
 
 def _document_reuse(metadata, retrieved, document_tokens, prefix_tokens) -> float:
@@ -131,7 +139,7 @@ def _block_prefix_tokens(engine, retriever):
 
 
 def test_block_chain_answers_match_the_cache_off_chain_where_reuse_is_exact(block_chain_runs):
-    warm, cold = block_chain_runs
+    warm, cold = block_chain_runs["moved"], block_chain_runs["cold"]
     exact = [i for i, m in enumerate(warm) if m.response_metadata["reused_moved"] == 0]
     assert exact, "no request with exact reuse only"
     assert [warm[i].content for i in exact] == [cold[i].content for i in exact]
@@ -152,8 +160,9 @@ def test_block_chain_reuses_documents_that_come_back_in_the_same_order(smol, ret
     assert again.response_metadata["reused_exact"] - prefix >= 0.8 * document_tokens
 
 
-def test_block_chain_reuses_80_percent_of_document_tokens(smol, retriever, retrieved, block_chain_runs):
-    warm, _ = block_chain_runs
+def test_block_chain_reuses_80_percent_of_document_tokens_with_moved_reuse(smol, retriever, retrieved,
+                                                                             block_chain_runs):
+    warm = block_chain_runs["moved"]
     engine = _engine(smol, 0)
     document_tokens = {d: len(engine.tokenizer(d, add_special_tokens=False)["input_ids"]) for d in CORPUS}
     share = _document_reuse([m.response_metadata for m in warm], retrieved, document_tokens,
@@ -161,20 +170,30 @@ def test_block_chain_reuses_80_percent_of_document_tokens(smol, retriever, retri
     assert share >= 0.8, f"reused {share:.0%} of document tokens"
 
 
-@pytest.fixture(scope="module")
-def unmodified_chain_runs(smol, retriever):
+def _unmodified_chain(smol, retriever, cache_bytes, **options):
     """(b): LangChain's own create_retrieval_chain + create_stuff_documents_chain, untouched."""
     classic = pytest.importorskip("langchain_classic.chains")
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain
     from langchain_core.prompts import ChatPromptTemplate
 
-    engine = _engine(smol, 256 * 2**20)
+    engine = _engine(smol, cache_bytes, **options)
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM + "\n\n{context}"), ("human", "{input}")])
     chain = classic.create_retrieval_chain(retriever, create_stuff_documents_chain(
         ChatKVBoost(engine=engine, max_tokens=8), prompt))
     recorder = MetadataRecorder()
     answers = [chain.invoke({"input": q}, config={"callbacks": [recorder]}) for q in QUESTIONS]
     return engine, answers, recorder.metadata
+
+
+@pytest.fixture(scope="module")
+def unmodified_chain_runs(smol, retriever):
+    return _unmodified_chain(smol, retriever, 256 * 2**20, moved_reuse="blend")
+
+
+def test_unmodified_chain_with_default_settings_answers_exactly_like_the_cache_off_chain(smol, retriever):
+    _, default, _ = _unmodified_chain(smol, retriever, 256 * 2**20)
+    _, cold, _ = _unmodified_chain(smol, retriever, 0)
+    assert [a["answer"] for a in default] == [a["answer"] for a in cold]
 
 
 def test_unmodified_retrieval_chain_runs_and_reports_metadata(unmodified_chain_runs, retrieved):
@@ -189,10 +208,23 @@ def test_unmodified_retrieval_chain_runs_and_reports_metadata(unmodified_chain_r
         assert meta["reused_tokens"] == meta["reused_exact"] + meta["reused_moved"] <= meta["prompt_tokens"]
 
 
-def test_unmodified_retrieval_chain_reuses_60_percent_of_document_tokens(unmodified_chain_runs, retrieved):
+def test_unmodified_retrieval_chain_reuses_90_percent_of_document_tokens_with_moved_reuse(unmodified_chain_runs,
+                                                                                            retrieved):
     engine, _, metadata = unmodified_chain_runs
     tokenizer = engine.tokenizer
     document_tokens = {d: len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in CORPUS}
     system_tokens = engine.count_tokens([{"role": "system", "content": SYSTEM + "\n\n"}])
     share = _document_reuse(metadata, retrieved, document_tokens, [system_tokens] * len(QUESTIONS))
-    assert share >= 0.6, f"reused {share:.0%} of document tokens"
+    assert share >= 0.9, f"reused {share:.0%} of document tokens"
+
+
+def test_cache_aware_order_and_warming_reuse_documents_exactly(smol, retriever):
+    from kvboost_integrations.langchain import warm_documents
+    engine = _engine(smol, 256 * 2**20)
+    llm = ChatKVBoost(engine=engine, max_tokens=4, document_order="cache")
+    warm_documents(llm, [CORPUS[0], CORPUS[1]], system=SYSTEM)
+    chain = retrieval_messages(retriever, system=SYSTEM) | llm
+    replies = [chain.invoke(q) for q in QUESTIONS]
+    placed = [r.response_metadata["documents_from_cache"] for r in replies]
+    assert all(r.response_metadata["reused_moved"] == 0 for r in replies)
+    assert sum(placed) >= len(QUESTIONS) and all(p >= 1 for p in placed[1:])

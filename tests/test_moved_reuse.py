@@ -74,7 +74,21 @@ ORDERS = [[3, 1, 4, 0, 2], [2, 4, 1, 3, 0], [0, 3, 2, 4, 1]]
 
 
 @pytest.mark.parametrize("form", ["parts", "plain"])
-def test_shuffled_documents_seen_before_are_reused(engine, form):
+def test_by_default_shuffled_documents_give_the_replies_of_no_cache(engine, cold_engine, form):
+    """Moved reuse is opt-in: the default engine reuses only exact prefixes, so replies equal a full prefill."""
+    question = "Which record belongs to the tidal energy notes?"
+    ask = (lambda e, o: e.chat(as_parts(o, question), max_new_tokens=12)) if form == "parts" else \
+        (lambda e, o: e.generate(as_plain(o, question), max_new_tokens=12))
+    ask(engine, range(6))
+    for order in ORDERS + [ORDERS[0]]:
+        g = ask(engine, order)
+        assert g.reused_moved == 0 and g.token_ids == ask(cold_engine, order).token_ids
+    assert g.reused_exact >= document_tokens(engine, ORDERS[0])           # the repeat is reused exactly
+
+
+@pytest.mark.parametrize("form", ["parts", "plain"])
+def test_shuffled_documents_seen_before_are_reused(moved_engine, form):
+    engine = moved_engine
     question = "Which record belongs to the tidal energy notes?"
     if form == "parts":
         engine.chat(as_parts(range(6), "Summarise."), max_new_tokens=1)
@@ -93,7 +107,7 @@ def test_shuffled_documents_seen_before_are_reused(engine, form):
 
 def test_blend_with_full_ratio_equals_no_cache(smol, cold_engine):
     model, tokenizer = smol
-    engine = Engine(model, tokenizer, recompute_ratio=1.0)
+    engine = Engine(model, tokenizer, moved_reuse="blend", recompute_ratio=1.0)
     engine.chat(as_parts(range(6), "Summarise."), max_new_tokens=1)
     messages = as_parts([4, 0, 2], "What does the volcanoes record show?")
     logits = engine.next_token_logits(messages=messages)
@@ -114,7 +128,8 @@ def test_full_strategy_is_exact_and_none_recomputes_nothing(smol, cold_engine):
     assert g_none.reused_moved > 0.8 * document_tokens(none, [5, 1, 3]) and g_none.recomputed == 0
 
 
-def test_repaired_kv_is_never_reported_as_exact(engine):
+def test_repaired_kv_is_never_reported_as_exact(moved_engine):
+    engine = moved_engine
     engine.chat(as_parts(range(6), "Summarise."), max_new_tokens=1)
     messages = as_parts([2, 0], "What about the aqueducts?")
     first = engine.chat(messages, max_new_tokens=4)

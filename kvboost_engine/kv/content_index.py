@@ -1,29 +1,45 @@
-"""Where each chunk of content starts in the radix tree, found by a hash of its tokens.
+"""Where content sits in the radix tree, found by a hash of its tokens (moved reuse).
 
-Moved reuse looks chunks of a new prompt up here, then grows each hit left and right token by
-token along the source path, so a document placed at another position or in another order is
-found whole, seams included. The cache keeps the index in step with splits and evictions.
+Content is indexed by anchors (anchors.py): short runs of tokens at content-defined points, the
+same wherever the text is placed. Moved reuse looks the anchors of a new prompt up here, then
+grows each hit left and right token by token along the source path, so a document placed at
+another position or in another order, as a part or joined into one string, is found whole,
+seams included. A phrase that recurs in several documents has an anchor in each: the index keeps
+a few places per anchor and a lookup takes the one that grows longest. The cache keeps the
+index in step with splits and evictions.
 """
 from __future__ import annotations
 
 import xxhash
 
+from .anchors import ANCHOR_TOKENS, anchor_ends, content_regions
 from .keys import token_bytes
 from .tree import KVSpan, Node, locate, walk_back, walk_forward
 
-# Chunks of every kind of content are indexed (documents inside one system or user string of
-# an unmodified chain included); template glue and generated tokens are not.
+# Every kind of content is indexed (documents inside one system or user string of an unmodified
+# chain included); template glue and generated tokens are not.
 NOT_CONTENT = frozenset({"glue", "generated"})
+PLACES_PER_ANCHOR = 4
+
+
+class Place:
+    """One place of an anchor: its first token at (node, offset), its last at (end_node, end_offset)."""
+
+    __slots__ = ("key", "node", "offset", "end_node", "end_offset")
+
+    def __init__(self, key: bytes, start: tuple[Node, int], last: tuple[Node, int]):
+        self.key = key
+        self.node, self.offset = start
+        self.end_node, self.end_offset = last
 
 
 class ContentIndex:
     def __init__(self, fingerprint: bytes):
         self.fingerprint = fingerprint
-        self._where: dict[bytes, tuple[Node, int]] = {}     # key -> (node, offset) of the chunk's first token
-        self._ends: dict[bytes, tuple[Node, int]] = {}      # key -> (node, offset) of its last token
+        self._places: dict[bytes, list[Place]] = {}         # anchor key -> places, newest first
 
     def __len__(self) -> int:
-        return len(self._where)
+        return sum(len(places) for places in self._places.values())
 
     def key(self, token_ids) -> bytes:
         return xxhash.xxh3_128_digest(self.fingerprint + b"content" + token_bytes(token_ids))
@@ -31,30 +47,29 @@ class ContentIndex:
     # ---- lookup -------------------------------------------------------------------------
     def spans(self, tokens: list[int], chunk_ends: list[int], chunk_kinds: list[str], start: int,
               limit: int) -> list[KVSpan]:
-        """Cached spans for the content chunks of tokens[start:limit], left to right, not overlapping."""
+        """Cached spans for the content of tokens[start:limit], left to right, not overlapping."""
         spans: list[KVSpan] = []
-        floor, chunk_start = start, 0
-        for end, kind in zip(chunk_ends, chunk_kinds):
-            begin, chunk_start = chunk_start, end
-            if kind in NOT_CONTENT or end <= floor or end > limit:
+        floor = start
+        for end in anchor_ends(tokens, content_regions(chunk_ends, chunk_kinds, NOT_CONTENT, start, limit)):
+            if end <= floor:
                 continue
-            span = self._grow(tokens, begin, end, floor, limit)
-            if span is not None:
-                spans.append(span)
-                floor = span.start + span.length
+            grown = [self._grow(tokens, place, end - ANCHOR_TOKENS, end, floor, limit)
+                     for place in self._places.get(self.key(tokens[end - ANCHOR_TOKENS:end]), ())]
+            grown = [span for span in grown if span is not None]
+            if grown:
+                best = max(grown, key=lambda s: (s.length, s.exact))
+                spans.append(best)
+                floor = best.start + best.length
         return spans
 
-    def _grow(self, tokens, begin: int, end: int, floor: int, limit: int) -> KVSpan | None:
-        found = self._where.get(self.key(tokens[begin:end]))
-        if found is None:
-            return None
-        node, offset = found
+    @staticmethod
+    def _grow(tokens, place: Place, begin: int, end: int, floor: int, limit: int) -> KVSpan | None:
+        node, offset = place.node, place.offset
         matched, _, _ = walk_forward(node, offset, tokens, begin, end)
         if matched != end - begin:                      # compare the tokens on every hit
             return None
         if begin < floor:
-            # The previous span already covers the chunk's head (tokens that happened to match
-            # past its seam): continue from where it ended.
+            # The previous span already covers the anchor's head: continue from where it ended.
             _, covered, _ = walk_forward(node, offset, tokens, begin, floor)
             last, last_offset, last_count = covered[-1]
             node, offset, first = last, last_offset + last_count, floor
@@ -68,60 +83,67 @@ class ContentIndex:
 
     # ---- maintenance --------------------------------------------------------------------
     def register(self, tokens, chunk_ends, chunk_kinds, path: list[Node]) -> None:
-        """Index the content chunks of a stored prompt (`path`: its nodes, root down).
-        An existing entry is kept unless the new location is exact and the old one is not.
-        The entry is listed on the node where the chunk starts and on the node holding its last
-        token, so it goes when either of them is evicted or split away."""
-        begin = 0
-        for end, kind in zip(chunk_ends, chunk_kinds):
-            chunk_begin, begin = begin, end
-            if kind in NOT_CONTENT or end > (path[-1].end if path else 0):
+        """Index the content anchors of a stored prompt (`path`: its nodes, root down).
+
+        Each anchor keeps up to PLACES_PER_ANCHOR places (newest first; a place on exact KV is
+        kept before one that is not). A place is listed on the node where it starts and on the
+        node holding its last token, so it goes when either of them is evicted."""
+        stored = path[-1].end if path else 0
+        for end in anchor_ends(tokens, content_regions(chunk_ends, chunk_kinds, NOT_CONTENT, 0, stored)):
+            begin = end - ANCHOR_TOKENS
+            start, last = locate(path, begin), locate(path, end - 1)
+            if start is None or last is None:
                 continue
-            where, last = locate(path, chunk_begin), locate(path, end - 1)
-            key = self.key(tokens[chunk_begin:end])
-            known = self._where.get(key)
-            if where is None or (known is not None and known[0].alive and (known[0].exact or not where[0].exact)):
+            key = self.key(tokens[begin:end])
+            places = self._places.setdefault(key, [])
+            if any(p.node is start[0] and p.offset == start[1] for p in places):
                 continue
-            if known is not None:
-                self._forget(key)
-            self._where[key], self._ends[key] = where, last
-            where[0].content_refs.append((key, where[1]))
-            last[0].content_ends.append((key, last[1]))
+            place = Place(key, start, last)
+            places.insert(0, place)
+            start[0].content_refs.append(place)
+            last[0].content_ends.append(place)
+            if len(places) > PLACES_PER_ANCHOR:
+                inexact = [p for p in places if not p.node.exact]
+                self._drop(inexact[-1] if inexact else places[-1])
 
     def split(self, tail: Node, head: Node, at: int) -> None:
-        """`tail` lost its first `at` tokens to `head`: move the entries that start or end there."""
-        refs, tail.content_refs = tail.content_refs, []
-        for key, off in refs:
-            target, target_off = (head, off) if off < at else (tail, off - at)
-            target.content_refs.append((key, target_off))
-            if self._where.get(key, (None,))[0] is tail:
-                self._where[key] = (target, target_off)
+        """`tail` lost its first `at` tokens to `head`: move the places that start or end there."""
+        starts, tail.content_refs = tail.content_refs, []
+        for place in starts:
+            if place.offset < at:
+                place.node = head
+                head.content_refs.append(place)
+            else:
+                place.offset -= at
+                tail.content_refs.append(place)
         ends, tail.content_ends = tail.content_ends, []
-        for key, off in ends:
-            target, target_off = (head, off) if off < at else (tail, off - at)
-            target.content_ends.append((key, target_off))
-            if self._ends.get(key, (None,))[0] is tail:
-                self._ends[key] = (target, target_off)
+        for place in ends:
+            if place.end_offset < at:
+                place.end_node = head
+                head.content_ends.append(place)
+            else:
+                place.end_offset -= at
+                tail.content_ends.append(place)
 
     def remove(self, node: Node) -> None:
-        """`node` leaves the tree: drop every entry whose chunk starts or ends in it."""
-        for key, _ in node.content_refs:
-            if self._where.get(key, (None,))[0] is node:
-                self._forget(key)
-        for key, _ in node.content_ends:
-            if self._ends.get(key, (None,))[0] is node:
-                self._forget(key)
+        """`node` leaves the tree: drop every place that starts or ends in it."""
+        for place in node.content_refs + node.content_ends:
+            self._drop(place)
 
-    def _forget(self, key: bytes) -> None:
-        for table, attribute in ((self._where, "content_refs"), (self._ends, "content_ends")):
-            node, offset = table.pop(key)
-            listed = getattr(node, attribute)
-            if (key, offset) in listed:
-                listed.remove((key, offset))
+    def _drop(self, place: Place) -> None:
+        places = self._places.get(place.key, [])
+        if place not in places:
+            return
+        places.remove(place)
+        if not places:
+            del self._places[place.key]
+        for listed in (place.node.content_refs, place.end_node.content_ends):
+            if place in listed:
+                listed.remove(place)
 
     def check(self) -> None:
-        assert self._where.keys() == self._ends.keys()
-        for key, (node, offset) in self._where.items():
-            assert node.alive and (key, offset) in node.content_refs
-            end_node, end_offset = self._ends[key]
-            assert end_node.alive and (key, end_offset) in end_node.content_ends
+        for key, places in self._places.items():
+            assert places and len(places) <= PLACES_PER_ANCHOR
+            for place in places:
+                assert place.key == key and place.node.alive and place.end_node.alive
+                assert place in place.node.content_refs and place in place.end_node.content_ends

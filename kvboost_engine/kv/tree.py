@@ -30,8 +30,8 @@ class Node:
         self.pinned = False
         self.uid = uid
         self.exact = exact
-        self.content_refs: list[tuple[bytes, int]] = []   # (content key, offset) of chunks that start here
-        self.content_ends: list[tuple[bytes, int]] = []   # (content key, offset of the last token) of chunks ending here
+        self.content_refs: list = []    # content-index places (content_index.Place) that start here
+        self.content_ends: list = []    # ... and those whose last token is here
 
     @property
     def end(self) -> int:

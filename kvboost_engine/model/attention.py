@@ -95,6 +95,28 @@ class ScatterStep:
         return self._masks[key]
 
 
+class ProbeStep(ScatterStep):
+    """A ScatterStep that also adds up the attention its queries pay to every key position:
+    `mass` [end] (summed over heads and queries, each layer normalised to 1 per query)."""
+
+    __slots__ = ("mass",)
+
+    def __init__(self, kv, positions: torch.Tensor, end: int, layer_windows: tuple, mass: torch.Tensor,
+                 masks: dict | None = None):
+        super().__init__(kv, positions, end, layer_windows, False, masks)
+        self.mass = mass
+
+    def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
+        out = super().attend(layer, query, keys, values, scaling)
+        all_keys, _ = self.kv.gather(layer, torch.arange(self.end, device=self.device))   # [1, Hkv, end, D]
+        all_keys = all_keys.repeat_interleave(query.shape[1] // all_keys.shape[1], 1)
+        scores = (query.float() @ all_keys.float().transpose(-1, -2)) * scaling          # [1, H, A, end]
+        visible = explicit_mask(self.positions.to(self.device), self.end, self.layer_windows[layer])
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        self.mass += weights.sum((0, 1, 2)).to(self.mass.device) / query.shape[2]
+        return out
+
+
 def explicit_mask(q_positions: torch.Tensor, end: int, window: int | None) -> torch.Tensor:
     """Bool [A, end]: query at position q sees keys k with q - window < k <= q."""
     k_pos = torch.arange(end, device=q_positions.device)[None, :]

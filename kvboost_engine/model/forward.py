@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from .arch import ModelAdapter
-from .attention import ATTENTION_NAME, AttentionStep, ScatterStep
+from .attention import ATTENTION_NAME, AttentionStep, ProbeStep, ScatterStep
 
 
 class TokenSelector(Protocol):
@@ -72,3 +72,19 @@ class Forward:
                 hidden, positions = hidden[:, keep], positions[keep]
                 masks = {}
         return a.logits_last(hidden)
+
+    @torch.inference_mode()
+    def attention_mass(self, kv, token_ids: list[int], positions: torch.Tensor, end: int, layers: int) -> torch.Tensor:
+        """Run the tokens at `positions` through the first `layers` layers over the KV in `kv` (their
+        own KV is written) and return the attention they pay to each position: [end] (fp32)."""
+        a = self.adapter
+        positions = positions.to(a.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None]   # [1, A]
+        hidden = a.embed(ids)
+        mass = torch.zeros(end, dtype=torch.float32)
+        masks: dict = {}
+        for layer_idx in range(min(layers, len(a.layers))):
+            step = ProbeStep(kv, positions, end, a.layer_windows, mass, masks)
+            rope = a.position_embeddings(hidden, positions[None])
+            hidden = a.run_layer(layer_idx, hidden, rope, positions[None], step)
+        return mass

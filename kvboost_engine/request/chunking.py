@@ -7,30 +7,9 @@ keep chunks useful (not tiny, not unbounded).
 """
 from __future__ import annotations
 
-import numpy as np
+from ..kv.anchors import WINDOW, candidates, window_hashes
 
-WINDOW = 8
-_MULT = np.uint64(0x9E3779B97F4A7C15)
-_POWERS = np.array([pow(0x100000001B3, j, 2**64) for j in range(WINDOW)], dtype=np.uint64)
-
-
-def _mix(values: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: a well-spread 64-bit value per token id."""
-    z = values.astype(np.uint64) * _MULT
-    z ^= z >> np.uint64(31)
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(29)
-    return z
-
-
-def window_hashes(token_ids) -> np.ndarray:
-    """hash[i] over tokens i-WINDOW+1..i (fewer at the very start)."""
-    mixed = _mix(np.asarray(token_ids, dtype=np.int64))
-    out = np.zeros_like(mixed)
-    with np.errstate(over="ignore"):
-        for j in range(WINDOW):
-            out[j:] += mixed[:len(mixed) - j] * _POWERS[j]
-    return out
+__all__ = ["WINDOW", "content_cuts", "window_hashes"]
 
 
 def content_cuts(token_ids, *, min_tokens: int, avg_tokens: int, max_tokens: int) -> list[int]:
@@ -39,9 +18,8 @@ def content_cuts(token_ids, *, min_tokens: int, avg_tokens: int, max_tokens: int
     if n <= min_tokens:
         return [n] if n else []
     hashes = window_hashes(token_ids)
-    candidates = np.flatnonzero((hashes >> np.uint64(24)) % np.uint64(avg_tokens) == 0) + 1
     cuts, last = [], 0
-    for cut in candidates.tolist():
+    for cut in candidates(hashes, avg_tokens).tolist():
         while cut - last > max_tokens:
             last += max_tokens
             cuts.append(last)

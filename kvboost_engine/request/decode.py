@@ -51,8 +51,9 @@ def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto
     tokens = prompt.token_ids + list(extra_tokens)
     ends = prompt.chunk_ends + list(range(n + chunk, upto, chunk)) + ([upto] if upto > n else [])
     kinds = prompt.chunk_kinds + ["generated"] * (len(ends) - len(prompt.chunk_ends))
+    indexed = parts.prefill.config.moved_reuse != "full"      # the content index serves moved reuse only
     return parts.prefill.cache.insert(tokens, ends, upto, kv, pin=pin, exact_upto=exact_upto,
-                                      chunk_kinds=kinds)
+                                      chunk_kinds=kinds if indexed else None)
 
 
 def prefill_prompt(parts: EngineParts, prompt: TokenizedPrompt, new_tokens: int) -> Prefilled:

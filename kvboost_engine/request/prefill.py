@@ -203,5 +203,19 @@ def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv, prefix_len: int,
         return parts.runner.scattered(kv, prompt.token_ids, positions, n), 0
     layer = min(parts.config.check_layer, len(parts.adapter.layers) - 1)
     selector = Selector(is_moved[positions], is_head[positions], parts.config.recompute_ratio, layer)
+    if parts.config.moved_selection == "attention":
+        return _repair_by_attention(parts, prompt, kv, positions, is_moved, selector)
     logits = parts.runner.scattered(kv, prompt.token_ids, positions, n, selector)
+    return logits, selector.recomputed_moved
+
+
+def _repair_by_attention(parts: PrefillParts, prompt: TokenizedPrompt, kv, positions: torch.Tensor,
+                         is_moved: torch.Tensor, selector: Selector) -> tuple[torch.Tensor, int]:
+    """Select the moved tokens the new tokens attend to most (a probe of the new tokens through
+    the first check_layer + 1 layers over the moved KV), then recompute them with the new tokens."""
+    n = len(prompt)
+    new = positions[~is_moved[positions]]
+    mass = parts.runner.attention_mass(kv, prompt.token_ids, new, n, selector.layer + 1)      # [n]
+    keep = selector.keep(mass[positions])
+    logits = parts.runner.scattered(kv, prompt.token_ids, positions[keep], n)
     return logits, selector.recomputed_moved

@@ -35,3 +35,13 @@ class ModelRunner:
                 self.instruments.emit(ForwardEvent("repair", len(positions), int(positions[0]),
                                                    time.perf_counter() - began))
             return logits
+
+    def attention_mass(self, kv, token_ids: list[int], positions: torch.Tensor, end: int, layers: int) -> torch.Tensor:
+        """Attention the tokens at `positions` pay to every position over the first `layers` layers."""
+        with self.lock:
+            began = time.perf_counter()
+            mass = self.forward_pass.attention_mass(kv, token_ids, positions, end, layers)
+            if self.instruments.active:
+                self.instruments.emit(ForwardEvent("probe", len(positions), int(positions[0]),
+                                                   time.perf_counter() - began))
+            return mass

@@ -1,15 +1,16 @@
 """Settings both LangChain classes share: which engine, and how to sample."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages.ai import UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvboost_engine import Engine, Generation
 from kvboost_engine.loading import DEFAULT_MODEL_NAME
 
 from .._bridge import generation_metadata, resolve_engine
+from .._options import check_arguments, engine_options
 from .._vocab import Vocabulary
 
 _CALL_PARAMS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
@@ -34,6 +35,16 @@ class KVBoostSettings(BaseModel):
     cache_bytes: int | None = None
     """Byte budget of the reusable KV cache; 0 turns reuse off. None: the engine default."""
     chunk_tokens: int | None = None
+    moved_reuse: str | None = None
+    """Documents found cached at another position: None/"full" (default: exact reuse only, replies
+    identical to no cache), "blend" (approximate: re-rotated and partly recomputed; faster, changes
+    some answers, see the README), "none" (re-rotated only)."""
+    document_order: Literal["relevance", "cache"] = "relevance"
+    """With "cache", documents given as content blocks that continue a cached prefix go first (exact
+    reuse, no approximation; see `Engine.order_documents`); the others keep their order.
+    `response_metadata["documents_from_cache"]` says how many were placed so."""
+    engine_kwargs: dict[str, Any] | None = None
+    """Any other option of `Engine.from_pretrained` (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."""
     temperature: float = 0.0
     """0 is greedy decoding."""
     max_tokens: int = 256
@@ -52,11 +63,20 @@ class KVBoostSettings(BaseModel):
     _engine: Engine | None = PrivateAttr(default=None)
     _vocabulary: Vocabulary | None = PrivateAttr(default=None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_arguments(cls.__name__, data, set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
+                                                                         if f.alias})
+        return data
+
     def get_engine(self) -> Engine:
         """The engine, loaded (or looked up among shared engines) on first use."""
         if self._engine is None:
-            options = {k: getattr(self, k) for k in ("device", "dtype", "cache_bytes", "chunk_tokens")
-                       if getattr(self, k) is not None}
+            options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
+                                     cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
+                                     moved_reuse=self.moved_reuse)
             self._engine = resolve_engine(self.engine, self.model, options)
         return self._engine
 

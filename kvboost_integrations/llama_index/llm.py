@@ -21,11 +21,13 @@ from llama_index.core.llms.llm import LLM
 
 from kvboost_engine import Engine, InputError
 
-from .._bridge import engine_options, resolve_engine
+from .._bridge import resolve_engine
+from .._options import check_arguments, engine_options
 from .calls import EngineCall, ResponseShaper, alast, last
 from .messages import ModelTokenizer, to_engine_messages
 
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+DOCUMENT_ORDERS = ("relevance", "cache")
 
 
 class KVBoost(LLM):
@@ -59,12 +61,21 @@ class KVBoost(LLM):
     dtype: Optional[str] = Field(default=None, description="Engine dtype, e.g. 'float32' or 'bfloat16'.")
     cache_bytes: Optional[int] = Field(default=None, ge=0, description="KV cache budget in bytes.")
     chunk_tokens: Optional[int] = Field(default=None, gt=0, description="Largest cached chunk, in tokens.")
+    moved_reuse: Optional[str] = Field(default=None, description=(
+        "Documents cached at another position: None/'full' (default: exact reuse only, replies identical to no "
+        "cache), 'blend' (approximate: faster, changes some answers; see the README), 'none'."))
+    document_order: str = Field(default="relevance", description=(
+        "'cache': document parts that continue a cached prefix go first (exact reuse; see "
+        "Engine.order_documents); the others keep their order. Also a per-call keyword."))
+    engine_kwargs: Optional[Dict[str, Any]] = Field(default=None, description=(
+        "Any other option of Engine.from_pretrained (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."))
 
     _engine: Optional[Engine] = PrivateAttr(default=None)
     _custom_completion_to_prompt: bool = PrivateAttr(default=False)
 
     def __init__(self, *, engine: Optional[Engine] = None, **data: Any):
         """`engine`: use this engine instead of the shared one for `model` and options."""
+        check_arguments(type(self).__name__, data, set(type(self).model_fields))
         super().__init__(**data)
         self._engine = engine
         self._custom_completion_to_prompt = data.get("completion_to_prompt") is not None
@@ -77,8 +88,9 @@ class KVBoost(LLM):
     def engine(self) -> Engine:
         """The engine behind this LLM (loaded on first use)."""
         if self._engine is None:
-            options = engine_options(device=self.device, dtype=self.dtype,
-                                     cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens)
+            options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
+                                     cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
+                                     moved_reuse=self.moved_reuse)
             self._engine = resolve_engine(None, self.model, options)
         return self._engine
 
@@ -123,8 +135,12 @@ class KVBoost(LLM):
         return params
 
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> EngineCall:
+        kwargs = dict(kwargs)
+        order = kwargs.pop("document_order", None) or self.document_order
+        if order not in DOCUMENT_ORDERS:
+            raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")
         return EngineCall(lambda: self.engine, self._params(kwargs), messages=to_engine_messages(messages),
-                          template_kwargs=self.template_kwargs)
+                          template_kwargs=self.template_kwargs, document_order=order)
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
         """`formatted` prompts (or a custom completion_to_prompt) go in as plain text; otherwise

@@ -1,0 +1,51 @@
+"""Engine options the framework classes accept, checked up front with a hint for near misses.
+
+Both frameworks take the same options: the common ones as named fields (`device`, `dtype`,
+`cache_bytes`, `chunk_tokens`, `moved_reuse`) and any other option of `Engine.from_pretrained`
+in `engine_kwargs`. An unknown constructor argument is an error naming the accepted ones and
+the closest match (`model_id` -> did you mean `model`?), never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from kvboost_engine import EngineConfig, InputError
+
+# Options of Engine.from_pretrained beyond EngineConfig's fields.
+LOAD_OPTIONS = ("device", "dtype", "resident_layers", "resident_bytes", "stream_from", "staging_slots", "awq_kernel")
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)) + LOAD_OPTIONS
+# Names other wrappers use for what we call otherwise.
+ALIASES = {"model_id": "model", "model_name": "model", "model_path": "model", "tokenizer_name": "model",
+           "model_kwargs": "engine_kwargs", "generate_kwargs": "engine_kwargs"}
+
+
+def check_arguments(owner: str, given, accepted) -> None:
+    """Raise ValueError for any name in `given` that is not in `accepted`, with a hint."""
+    accepted = set(accepted)
+    for name in given:
+        if name in accepted:
+            continue
+        hint = ALIASES.get(name) if ALIASES.get(name) in accepted else None
+        hint = hint or next(iter(difflib.get_close_matches(name, sorted(accepted), n=1, cutoff=0.6)), None)
+        suggestion = f"; did you mean {hint!r}?" if hint else ""
+        raise ValueError(f"{owner}() got an unexpected argument {name!r}{suggestion} "
+                         f"Accepted: {', '.join(sorted(a for a in accepted if not a.startswith('_')))}")
+
+
+def engine_options(engine_kwargs: dict | None = None, **named) -> dict:
+    """The engine options a caller set (None means "engine default"), `engine_kwargs` checked.
+
+    Leaving unset options out keeps the shared-engine key equal for classes (LangChain,
+    LlamaIndex) that expose the same settings with different defaults.
+    """
+    extra = dict(engine_kwargs or {})
+    unknown = [name for name in extra if name not in ENGINE_OPTIONS]
+    if unknown:
+        close = {n: difflib.get_close_matches(n, ENGINE_OPTIONS, n=1, cutoff=0.6) for n in unknown}
+        hints = "; ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in close.items())
+        raise InputError(f"unknown engine option(s) in engine_kwargs: {hints}. Accepted: {', '.join(ENGINE_OPTIONS)}")
+    doubled = sorted(set(extra) & {k for k, v in named.items() if v is not None})
+    if doubled:
+        raise InputError(f"{', '.join(doubled)} given both as a field and in engine_kwargs")
+    return {name: value for name, value in {**named, **extra}.items() if value is not None}
