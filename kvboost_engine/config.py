@@ -49,6 +49,12 @@ class EngineConfig:
         (pinned when the model is on CUDA) and attention runs there, while the weights stay on
         the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
         does not fit on the GPU. Implies paged KV.
+    max_running: most requests decoding or prefilling at once in the engine's batch (continuous
+        batching: every step is one forward over all of them).
+    max_batch_tokens: most tokens one batch step computes (decode tokens plus prompt chunks);
+        None: prefill_chunk_tokens. Bounds how long a long prompt holds the others' decoding.
+    max_waiting, queue_timeout_s: requests waiting for KV room (beyond that, or after waiting that
+        long, a request gets a BudgetError; one that cannot fit the pool even alone is refused at once).
     disk_kv_int8: store chunks on disk as int8 (per-channel keys, per-token values): about a
         quarter of fp32 on disk and to read; chunks read back are approximations (inexact).
     """
@@ -69,6 +75,10 @@ class EngineConfig:
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     disk_kv_int8: bool = False
     kv_device: str | None = None
+    max_running: int = 16
+    max_batch_tokens: int | None = None
+    max_waiting: int = 1024
+    queue_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in _INT_MINIMUM:
@@ -90,20 +100,25 @@ class EngineConfig:
             raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
         if self.kv_device == "cpu" and self.paged is False:
             raise InputError("kv_device='cpu' keeps KV in CPU pages: it needs paged KV (paged=None or True)")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < self.max_running:
+            raise InputError(f"max_batch_tokens must be None or an int >= max_running ({self.max_running}), "
+                             f"got {self.max_batch_tokens!r}")
+        if not _real(self.queue_timeout_s) or not 0 <= self.queue_timeout_s < float("inf"):
+            raise InputError(f"queue_timeout_s must be a finite number >= 0, got {self.queue_timeout_s!r}")
 
     def _normalise_int(self, name: str) -> None:
         """Check an integer option (ints and integer-like objects such as numpy ints; no bools,
         floats or strings) against its minimum, and store it as a plain int."""
         value = getattr(self, name)
         minimum = _INT_MINIMUM[name]
-        if value is None and name == "kv_pool_bytes":
+        if value is None and name in _OPTIONAL_INTS:
             return
         try:
             number = None if isinstance(value, bool) else operator.index(value)
         except TypeError:
             number = None
         if number is None or number < minimum:
-            optional = "None or " if name == "kv_pool_bytes" else ""
+            optional = "None or " if name in _OPTIONAL_INTS else ""
             raise InputError(f"{name} must be {optional}an int >= {minimum}, got {value!r}")
         object.__setattr__(self, name, number)
 
@@ -111,7 +126,9 @@ class EngineConfig:
 # integer options and their smallest allowed value
 _INT_MINIMUM = {"cache_bytes": 0, "chunk_tokens": 1, "reply_memo_entries": 0, "recompute_head_tokens": 0,
                 "check_layer": 0, "prefill_chunk_tokens": 1, "block_tokens": 1, "kv_pool_bytes": 0,
-                "disk_cache_bytes": 0}
+                "disk_cache_bytes": 0, "max_running": 1, "max_batch_tokens": 1, "max_waiting": 0}
+# integer options that may also be None
+_OPTIONAL_INTS = ("kv_pool_bytes", "max_batch_tokens")
 
 
 def _real(value) -> bool:
