@@ -80,6 +80,15 @@ def test_bad_engine_options():
     ({"disk_cache_dir": 5}, "disk_cache_dir must be None or a path"),
     ({"moved_reuse": None}, "moved_reuse must be one of"),
     ({"moved_selection": 1}, "moved_selection must be one of"),
+    ({"max_running": 0}, "max_running must be an int >= 1"),
+    ({"max_running": True}, "max_running must be an int >= 1"),
+    ({"max_batch_tokens": 2.5}, "max_batch_tokens must be None or an int >= 1"),
+    ({"max_batch_tokens": 4}, r"max_batch_tokens must be None or an int >= max_running \(16\)"),
+    ({"max_waiting": "8"}, "max_waiting must be an int >= 0"),
+    ({"queue_timeout_s": float("nan")}, "queue_timeout_s must be a finite number >= 0"),
+    ({"queue_timeout_s": float("inf")}, "queue_timeout_s must be a finite number >= 0"),
+    ({"queue_timeout_s": True}, "queue_timeout_s must be a finite number >= 0"),
+    ({"queue_timeout_s": -1}, "queue_timeout_s must be a finite number >= 0"),
 ])
 def test_every_numeric_option_is_type_checked(options, match):
     with pytest.raises(InputError, match=match):
