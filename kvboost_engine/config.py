@@ -1,6 +1,8 @@
 """Engine options: one slotted dataclass, validated once."""
 from __future__ import annotations
 
+import operator
+import os
 from dataclasses import dataclass
 
 from .errors import InputError
@@ -79,39 +81,56 @@ class EngineConfig:
     queue_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
-            raise InputError(f"cache_bytes must be an int >= 0, got {self.cache_bytes!r}")
-        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
-            raise InputError(f"chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}")
-        if self.reply_memo_entries < 0:
-            raise InputError("reply_memo_entries must be >= 0")
+        for name in _INT_MINIMUM:
+            self._normalise_int(name)
         if self.moved_reuse not in MOVED_STRATEGIES:
             raise InputError(f"moved_reuse must be one of {', '.join(MOVED_STRATEGIES)}, got {self.moved_reuse!r}")
-        if not 0 <= self.recompute_ratio <= 1:
-            raise InputError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if not _real(self.recompute_ratio) or not 0 <= self.recompute_ratio <= 1:
+            raise InputError(f"recompute_ratio must be a number in [0, 1], got {self.recompute_ratio!r}")
         if self.moved_selection not in MOVED_SELECTIONS:
             raise InputError(f"moved_selection must be one of {', '.join(MOVED_SELECTIONS)}, got {self.moved_selection!r}")
-        if self.recompute_head_tokens < 0 or self.check_layer < 0:
-            raise InputError("recompute_head_tokens and check_layer must be >= 0")
-        if self.prefill_chunk_tokens < 1:
-            raise InputError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens!r}")
-        if self.block_tokens < 1:
-            raise InputError(f"block_tokens must be >= 1, got {self.block_tokens!r}")
-        if self.kv_pool_bytes is not None and self.kv_pool_bytes < 0:
-            raise InputError(f"kv_pool_bytes must be >= 0, got {self.kv_pool_bytes!r}")
+        for name in ("paged", "disk_kv_int8"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "paged" and value is None):
+                allowed = "None, True or False" if name == "paged" else "True or False"
+                raise InputError(f"{name} must be {allowed}, got {value!r}")
+        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, (str, os.PathLike)):
+            raise InputError(f"disk_cache_dir must be None or a path, got {self.disk_cache_dir!r}")
         if self.kv_device not in KV_DEVICES:
             raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
         if self.kv_device == "cpu" and self.paged is False:
             raise InputError("kv_device='cpu' keeps KV in CPU pages: it needs paged KV (paged=None or True)")
-        if isinstance(self.max_running, bool) or not isinstance(self.max_running, int) or self.max_running < 1:
-            raise InputError(f"max_running must be an int >= 1, got {self.max_running!r}")
-        if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool) or not isinstance(
-                self.max_batch_tokens, int) or self.max_batch_tokens < self.max_running):
+        if self.max_batch_tokens is not None and self.max_batch_tokens < self.max_running:
             raise InputError(f"max_batch_tokens must be None or an int >= max_running ({self.max_running}), "
                              f"got {self.max_batch_tokens!r}")
-        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
-            raise InputError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
-        if not isinstance(self.queue_timeout_s, (int, float)) or not 0 <= self.queue_timeout_s < float("inf"):
+        if not _real(self.queue_timeout_s) or not 0 <= self.queue_timeout_s < float("inf"):
             raise InputError(f"queue_timeout_s must be a finite number >= 0, got {self.queue_timeout_s!r}")
-        if self.disk_cache_bytes < 0:
-            raise InputError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes!r}")
+
+    def _normalise_int(self, name: str) -> None:
+        """Check an integer option (ints and integer-like objects such as numpy ints; no bools,
+        floats or strings) against its minimum, and store it as a plain int."""
+        value = getattr(self, name)
+        minimum = _INT_MINIMUM[name]
+        if value is None and name in _OPTIONAL_INTS:
+            return
+        try:
+            number = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or number < minimum:
+            optional = "None or " if name in _OPTIONAL_INTS else ""
+            raise InputError(f"{name} must be {optional}an int >= {minimum}, got {value!r}")
+        object.__setattr__(self, name, number)
+
+
+# integer options and their smallest allowed value
+_INT_MINIMUM = {"cache_bytes": 0, "chunk_tokens": 1, "reply_memo_entries": 0, "recompute_head_tokens": 0,
+                "check_layer": 0, "prefill_chunk_tokens": 1, "block_tokens": 1, "kv_pool_bytes": 0,
+                "disk_cache_bytes": 0, "max_running": 1, "max_batch_tokens": 1, "max_waiting": 0}
+# integer options that may also be None
+_OPTIONAL_INTS = ("kv_pool_bytes", "max_batch_tokens")
+
+
+def _real(value) -> bool:
+    """A real number: an int or float (not a bool), not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

@@ -27,8 +27,8 @@ from .request.prompt import ChatRenderer, segments_from_prompt
 from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
 from .request.tokens import PromptTokenizer, TokenizedPrompt
-from .wiring import (cache_budget, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit, pool_for, resolve_dtype,
-                     weight_stats)
+from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
+                     pool_for, resolve_dtype, weight_stats)
 
 
 class Engine:
@@ -50,14 +50,14 @@ class Engine:
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         adapter = ModelAdapter(model)
         self.adapter = adapter
-        self.fingerprint = model_fingerprint(model, adapter.rope_settings())
+        self.fingerprint = model_fingerprint(model, adapter.rope_settings(), tokenizer)
         if self.config.paged is None:
             paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
             self.config = dataclasses.replace(self.config, paged=paged)
         self.instruments = Instruments()
         self.disk = disk_tier_for(self.config, self.fingerprint)
         self._exit_flush = flush_at_exit(self.disk) if self.disk is not None else None
-        pool = pool_for(self.config, adapter)
+        pool = pool_for(self.config, adapter, self.disk)
         self.cache = ChunkCache(self.fingerprint, cache_budget(self.config, pool), pool, self.disk,
                                 disk_codec_for(self.config, adapter))
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
@@ -94,6 +94,8 @@ class Engine:
         config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, device)
+        if config.kv_pool_bytes is not None:                # refuse before loading the weights
+            check_fits_device(config.kv_pool_bytes, torch.device(config.kv_device) if config.kv_device else device)
         source = resolve_model_dir(model)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,

@@ -4,13 +4,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import tempfile
 import weakref
 
 import torch
 import xxhash
 
 from .config import EngineConfig
-from .errors import InputError
+from .errors import BudgetError, InputError
 from .kv.codec import Int8Codec
 from .kv.pool import BlockPool
 from .model.arch import ModelAdapter
@@ -18,16 +19,74 @@ from .model.arch import ModelAdapter
 log = logging.getLogger(__name__)
 
 
-def pool_for(config: EngineConfig, adapter: ModelAdapter) -> BlockPool:
-    """The KV block pool: `kv_pool_bytes`, else the cache budget plus two full-window requests."""
+def pool_for(config: EngineConfig, adapter: ModelAdapter, disk=None) -> BlockPool:
+    """The KV block pool: `kv_pool_bytes`, else the cache budget plus two full-window requests.
+
+    Refused with BudgetError before allocating when it is larger than the memory of its device.
+    With a disk tier, a request longer than the pool spills to a file beside it; when the tier's
+    directory is read-only the spill file goes to the temp dir (a warning), and if that fails too,
+    spilling is off (a warning).
+    """
     per_request = adapter.context_window * adapter.geometry.bytes_per_token
     running = 2 * per_request if config.paged else 0    # contiguous requests bring their own buffers
-    ram = config.kv_pool_bytes if config.kv_pool_bytes is not None else config.cache_bytes + running
-    spill_dir = os.path.join(config.disk_cache_dir, "spill") if config.disk_cache_dir else None
     device = torch.device(config.kv_device) if config.kv_device else adapter.device
+    if config.kv_pool_bytes is not None:
+        ram = config.kv_pool_bytes
+        check_fits_device(ram, device)
+    else:
+        ram = _derived_pool_bytes(config.cache_bytes + running, device)
     pin = device.type == "cpu" and adapter.device.type == "cuda"      # fast, async-capable copies
-    return BlockPool(adapter.geometry, ram, device, block_tokens=config.block_tokens,
-                     spill_dir=spill_dir, spill_bytes=per_request if spill_dir else 0, pin_memory=pin)
+    spill_dir = _spill_dir(config, disk)
+    if spill_dir is not None:
+        try:
+            return BlockPool(adapter.geometry, ram, device, block_tokens=config.block_tokens,
+                             spill_dir=spill_dir, spill_bytes=per_request, pin_memory=pin)
+        except OSError as error:
+            log.warning("kvboost: cannot create the KV spill file in %s (%s): spilling is off, requests "
+                        "longer than the pool are refused", spill_dir, error)
+    return BlockPool(adapter.geometry, ram, device, block_tokens=config.block_tokens, pin_memory=pin)
+
+
+def _spill_dir(config: EngineConfig, disk) -> str | None:
+    if not config.disk_cache_dir:
+        return None
+    if disk is not None and disk.read_only:
+        fallback = tempfile.gettempdir()
+        log.warning("kvboost: %s is read-only: the KV spill file goes to %s", config.disk_cache_dir, fallback)
+        return fallback
+    return os.path.join(config.disk_cache_dir, "spill")
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Physical memory of a device (RAM for the CPU), or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
+
+
+def check_fits_device(nbytes: int, device: torch.device) -> None:
+    """BudgetError when a pool of `nbytes` exceeds the physical memory of `device` (before allocating)."""
+    total = device_memory_bytes(device)
+    if total is not None and nbytes > total:
+        raise BudgetError(f"kv_pool_bytes={nbytes} is more than the {total} bytes of memory of the "
+                          f"{device.type} device it would live on; choose a smaller kv_pool_bytes")
+
+
+def _derived_pool_bytes(wanted: int, device: torch.device) -> int:
+    """The default pool (cache_bytes plus two full-window requests), at most half the device's memory."""
+    total = device_memory_bytes(device)
+    if total is not None and wanted > total // 2:
+        log.warning("kvboost: the default KV pool (cache_bytes plus two full-window requests, %d bytes) is "
+                    "capped at half of the %s device's %d bytes; set kv_pool_bytes to choose", wanted,
+                    device.type, total)
+        return total // 2
+    return wanted
 
 
 def cache_budget(config: EngineConfig, pool: BlockPool) -> int:

@@ -90,6 +90,18 @@ def test_bad_input_is_rejected_clearly(chat):
         chat.invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
 
 
+@pytest.mark.parametrize("block, match", [
+    ({"type": "text"}, r"content block 1 is a text block without a 'text' string: \{'type': 'text'\}"),
+    ({"type": "text", "text": None}, "content block 1 is a text block without a 'text' string"),
+    ({"type": "text", "text": 5}, "content block 1 is a text block without a 'text' string"),
+])
+def test_a_malformed_text_block_is_an_error_naming_it(chat, lc_engine, block, match):
+    with pytest.raises(ValueError, match=match):
+        chat.invoke([HumanMessage(["Say hi.", block])])
+    expected = lc_engine.chat([{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}], max_new_tokens=12)
+    assert chat.invoke([HumanMessage(["Say hi."])]).content == expected.text     # still answers
+
+
 def test_timeout_stops_generation(lc_engine):
     slow = ChatKVBoost(engine=lc_engine, max_tokens=200, timeout=0.05)
     before = lc_engine.stats()["generated_tokens"]

@@ -102,6 +102,24 @@ def test_messages_keep_parts_and_documents():
         to_engine_messages([image])
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda llm: llm.complete(5), r"complete\(\) takes the prompt as a string, got int \(5\)"),
+    (lambda llm: llm.complete(None), r"complete\(\) takes the prompt as a string, got NoneType"),
+    (lambda llm: llm.stream_complete(b"hi"), r"complete\(\) takes the prompt as a string, got bytes"),
+    (lambda llm: llm.chat([HELLO[0], ChatMessage(role=MessageRole.USER, content=5)]),
+     r"message 1 \(role 'user'\) has no content: ChatMessage\(content=...\) takes a string or a list of blocks"),
+    (lambda llm: llm.chat([ChatMessage(role=MessageRole.USER, content=None)]), r"message 0 \(role 'user'\) has no content"),
+    (lambda llm: llm.chat(m for m in HELLO), "messages must be a list of ChatMessage, got generator .*pass a list"),
+    (lambda llm: llm.stream_chat(iter(HELLO)), "messages must be a list of ChatMessage, got list_iterator"),
+    (lambda llm: llm.chat([{"role": "user", "content": "hi"}]), "message 0 must be a ChatMessage, got dict"),
+])
+def test_wrong_arguments_say_what_was_wrong(llm, engine, call, match):
+    with pytest.raises(InputError, match=match):
+        call(llm)
+    expected = engine.chat(to_engine_messages(HELLO), max_new_tokens=4)
+    assert llm.chat(HELLO).message.content == expected.text          # still answers
+
+
 def test_token_counting_handler_reads_our_usage(llm, engine):
     counter = TokenCountingHandler(tokenizer=llm.tokenizer)
     llm.callback_manager = CallbackManager([counter])

@@ -63,3 +63,14 @@ def test_plain_prompts():
     for bad in ("", [], [""], 5, [7]):
         with pytest.raises(InputError):
             segments_from_prompt(bad)
+
+
+def test_a_lone_surrogate_outside_content_is_refused_after_rendering():
+    class WithNames:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(f"<{m['role']} {m.get('name', '')}>{m['content']}" for m in messages)
+
+    with pytest.raises(InputError, match="the rendered chat .* is not valid Unicode: lone surrogate"):
+        ChatRenderer(WithNames()).render([{"role": "user", "content": "hi", "name": "\ud800"}])

@@ -43,7 +43,10 @@ class DiskRestore:
         self.codec = codec or FloatCodec()
 
     def pending(self, nodes: list[Node]) -> list[PendingWrite]:
-        """New nodes not yet on disk, their blocks held until written (call with the cache lock)."""
+        """New nodes not yet on disk, their blocks held until written (call with the cache lock).
+        None for a read-only disk tier (it is only read)."""
+        if self.disk.read_only:
+            return []
         pending = []
         for node in nodes:
             if not self.disk.contains(node.key):

@@ -45,6 +45,8 @@ def segments_from_prompt(prompt) -> list[Segment]:
         items = [_as_segment(item) for item in prompt]
     else:
         raise InputError(f"prompt must be a string or a sequence of segments, got {type(prompt).__name__}")
+    for index, seg in enumerate(items):
+        check_unicode(seg.text, f"prompt segment {index}")
     if not any(seg.text for seg in items):
         raise InputError("prompt is empty")
     return items
@@ -61,8 +63,18 @@ def _as_segment(item) -> Segment:
     raise InputError(f"a prompt segment must be a Segment, a string or a dict with 'text', got {item!r:.80}")
 
 
-def message_parts(message) -> list[Segment]:
-    """Validate one OpenAI-style message and return its content parts as segments."""
+def check_unicode(text: str, where: str) -> None:
+    """InputError naming `where` if `text` cannot be encoded (a lone surrogate such as "\\ud800"):
+    such text is refused, not repaired, so a prompt is never silently changed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InputError(f"{where} is not valid Unicode: lone surrogate {text[error.start]!r} at character "
+                         f"{error.start} (fix the text, e.g. text.encode('utf-8', 'replace').decode())") from None
+
+
+def message_parts(message, index: int = 0) -> list[Segment]:
+    """Validate one OpenAI-style message (the `index`-th) and return its content parts as segments."""
     if not isinstance(message, Mapping):
         raise InputError(f"each message must be a dict with 'role' and 'content', got {type(message).__name__}")
     role = message.get("role")
@@ -72,12 +84,16 @@ def message_parts(message) -> list[Segment]:
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""
     if isinstance(content, str):
-        return [Segment(content, role)]
-    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        return [_part_segment(part, role) for part in content]
-    raise InputError(
-        f"message content must be a string or a list of parts, got {type(content).__name__} (role {role!r})"
-    )
+        parts = [Segment(content, role)]
+    elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        parts = [_part_segment(part, role) for part in content]
+    else:
+        raise InputError(
+            f"message content must be a string or a list of parts, got {type(content).__name__} (role {role!r})"
+        )
+    for seg in parts:
+        check_unicode(seg.text, f"message {index} (role {role!r})")
+    return parts
 
 
 def _part_segment(part, role: str) -> Segment:
@@ -104,7 +120,7 @@ class ChatRenderer:
             raise InputError("messages must be a list of {'role', 'content'} dicts")
         if not messages:
             raise InputError("messages is empty")
-        parts = [message_parts(m) for m in messages]
+        parts = [message_parts(m, i) for i, m in enumerate(messages)]
         if not any(seg.text for msg in parts for seg in msg):
             raise InputError("all messages are empty")
         flat: list[Segment] = []
@@ -116,6 +132,7 @@ class ChatRenderer:
                 flat.append(seg)
             templated.append({**message, "content": PART_SEPARATOR.join(marks)})
         rendered = self._apply(templated, add_generation_prompt, template_kwargs)
+        check_unicode(rendered, "the rendered chat (message fields other than content, or template_kwargs)")
         segments = _split_rendered(rendered, flat)
         real = [{**m, "content": PART_SEPARATOR.join(s.text for s in p)} for m, p in zip(messages, parts)]
         if segments is None or "".join(s.text for s in segments) != self._apply(real, add_generation_prompt, template_kwargs):

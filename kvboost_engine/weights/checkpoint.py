@@ -5,6 +5,7 @@ layer never holds (nor maps) the whole file, so a checkpoint larger than memory 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -46,6 +47,7 @@ class Checkpoint:
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {self.directory}")
+        self.files = files
         self.entries: dict[str, TensorEntry] = {}
         for path in files:
             header, base = read_header(path)
@@ -87,16 +89,52 @@ class Checkpoint:
             read_into(entry.path, entry.offset + start * item, piece)
             flat[start:start + piece.numel()].copy_(piece)
 
-    def digest(self) -> str:
-        """Identity of the weights: names, shapes, dtypes and the first/last bytes of each tensor."""
+    def digest(self, cache_dir: Path | None = None) -> str:
+        """Full content hash (xxh3-128, hex) of the checkpoint's safetensors files: every byte of
+        their headers and tensors. With `cache_dir`, remembered there per file identity (resolved
+        path, size, mtime of every file), so a checkpoint is read for it once, not at every load."""
+        identity = xxhash.xxh3_64_hexdigest("\n".join(
+            f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in self.files).encode())
+        cached = Path(cache_dir) / "digests" / f"{identity}.xxh3" if cache_dir is not None else None
+        if cached is not None:
+            try:
+                known = cached.read_text().strip()
+                if len(known) == 32:
+                    return known
+            except OSError:
+                pass
         h = xxhash.xxh3_128()
-        for name in sorted(self.entries):
-            entry = self.entries[name]
-            h.update(f"{name}:{entry.shape}:{entry.dtype}".encode())
-            with open(entry.path, "rb") as handle:
-                for offset in (entry.offset, max(entry.offset, entry.offset + entry.nbytes - 256)):
-                    h.update(os.pread(handle.fileno(), min(256, entry.nbytes), offset))
-        return h.hexdigest()
+        for path in self.files:
+            h.update(f"{path.name}\n".encode())
+            hash_file(path, h)
+        digest = h.hexdigest()
+        if cached is not None:
+            _write_quietly(cached, digest)
+        return digest
+
+
+def hash_file(path: Path, hasher, block_bytes: int = 8 << 20) -> None:
+    """Feed every byte of `path` to `hasher`, a block at a time (one reusable buffer)."""
+    buffer = bytearray(block_bytes)
+    view = memoryview(buffer)
+    with open(path, "rb") as handle:
+        while True:
+            got = handle.readinto(buffer)
+            if not got:
+                return
+            hasher.update(view[:got])
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    """Write a small cache file atomically; a cache that cannot be written is only slower."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp.write_text(text)
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
 
 
 def read_into(path: Path, offset: int, out: torch.Tensor) -> int:

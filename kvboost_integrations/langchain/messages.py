@@ -69,12 +69,16 @@ def _content(content) -> str | list[dict]:
     if isinstance(content, str):
         return content
     parts = []
-    for block in content:
+    for index, block in enumerate(content):
         if isinstance(block, str):
             parts.append({"type": "text", "text": block})
+        elif not isinstance(block, dict):
+            raise ValueError(f"content block {index} must be a string or a dict, got {type(block).__name__}")
         elif block.get("type") == "text":
+            if not isinstance(block.get("text"), str):
+                raise ValueError(f"content block {index} is a text block without a 'text' string: {block!r:.120}")
             kind = "document" if is_document_block(block) else "text"
-            parts.append({"type": kind, "text": block.get("text") or ""})
+            parts.append({"type": kind, "text": block["text"]})
         elif block.get("type") not in _SKIPPED_BLOCKS:
             raise ValueError(f"ChatKVBoost reads text only; got a content block of type {block.get('type')!r}")
     return parts if parts else ""

@@ -145,6 +145,8 @@ class KVBoost(LLM):
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
         """`formatted` prompts (or a custom completion_to_prompt) go in as plain text; otherwise
         the prompt is one user message (after `system_prompt`) through the model's chat template."""
+        if not isinstance(prompt, str):
+            raise InputError(f"complete() takes the prompt as a string, got {type(prompt).__name__} ({prompt!r:.60})")
         if formatted or self._custom_completion_to_prompt:
             text = prompt if formatted else self.completion_to_prompt(prompt)
             return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text)

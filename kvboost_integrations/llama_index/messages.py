@@ -6,7 +6,7 @@ reuse at any position (retrieved nodes). `document_message` builds such a messag
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, DocumentBlock, MessageRole, TextBlock
 
@@ -32,16 +32,30 @@ def document_message(role: MessageRole | str, texts: Sequence[tuple[str, bool]])
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """LlamaIndex messages as the engine's messages (content parts keep their boundaries)."""
-    return [_engine_message(message) for message in messages]
+    """LlamaIndex messages as the engine's messages (content parts keep their boundaries).
+
+    `messages` must be a sequence (a list): LlamaIndex's callbacks read an iterator before it
+    gets here, so a generator would arrive empty; it is refused with a message saying so.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InputError(f"messages must be a list of ChatMessage, got {type(messages).__name__}"
+                         + (" (LlamaIndex's callbacks consume an iterator before KVBoost sees it: pass a list)"
+                            if isinstance(messages, Iterator) else ""))
+    return [_engine_message(message, index) for index, message in enumerate(messages)]
 
 
-def _engine_message(message: ChatMessage) -> dict:
+def _engine_message(message: ChatMessage, index: int) -> dict:
+    if not isinstance(message, ChatMessage):
+        raise InputError(f"message {index} must be a ChatMessage, got {type(message).__name__} ({message!r:.60})")
     role = _ROLES.get(MessageRole(message.role))
     if role is None:                # pragma: no cover - every MessageRole is mapped
         raise InputError(f"unsupported message role {message.role!r}")
+    if not message.blocks and role != "assistant":     # an assistant turn may carry only tool calls
+        raise InputError(f"message {index} (role {role!r}) has no content: ChatMessage(content=...) takes a "
+                         "string or a list of blocks, and LlamaIndex drops any other content (None, a number) "
+                         "without a word")
     documents = set(message.additional_kwargs.get(DOCUMENT_BLOCKS, ()))
-    parts = [_part(block, index in documents) for index, block in enumerate(message.blocks)]
+    parts = [_part(block, position in documents) for position, block in enumerate(message.blocks)]
     parts = [part for part in parts if part is not None]
     if len(parts) == 1 and parts[0]["type"] == "text":
         return {"role": role, "content": parts[0]["text"]}

@@ -77,14 +77,21 @@ def write_entry(fd: int, fingerprint: bytes, key: bytes, start: int, tokens, kv:
     return HEADER_SIZE + len(token_raw) + payload.nbytes
 
 
-def read_entry(fd: int, file_size: int, fingerprint: bytes, key: bytes) -> Entry:
-    """Read and verify the entry in `fd`; raises CorruptEntry if anything is off."""
+def check_header(fd: int, file_size: int, fingerprint: bytes, key: bytes) -> tuple[bytes, tuple]:
+    """Read and check the header alone (magic, identity, fields, and that the file is exactly
+    as long as the header says); returns (header bytes, parsed fields). Raises CorruptEntry."""
     if file_size < HEADER_SIZE:
         raise CorruptEntry(f"file of {file_size} bytes is shorter than the header")
     head = os.pread(fd, HEADER_SIZE, 0)
     if len(head) != HEADER_SIZE:
         raise CorruptEntry("short header read")
-    start, n_tokens, shape, dtype, exact, checksum = _parse_header(head, file_size, fingerprint, key)
+    return head, _parse_header(head, file_size, fingerprint, key)
+
+
+def read_entry(fd: int, file_size: int, fingerprint: bytes, key: bytes) -> Entry:
+    """Read and verify the entry in `fd`; raises CorruptEntry if anything is off. Nothing past the
+    header is read (or allocated) unless the header checks out and matches the file's size."""
+    head, (start, n_tokens, shape, dtype, exact, checksum) = check_header(fd, file_size, fingerprint, key)
     hasher = xxhash.xxh3_128(head[:_CHECKED_HEADER])
     token_raw = bytearray(n_tokens * _TOKEN.itemsize)
     _read_into(fd, memoryview(token_raw), HEADER_SIZE, hasher)

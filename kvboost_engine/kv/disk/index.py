@@ -1,7 +1,8 @@
-"""Which entries the disk tier holds, their sizes and recency, under a byte budget (no I/O)."""
+"""Which entries the disk tier holds, their sizes and recency, under a byte budget; its counters (no I/O)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 
 class LruBudget:
@@ -72,3 +73,20 @@ class LruBudget:
                 victims.append(key)
                 excess -= size
         return victims if excess <= 0 else None
+
+
+@dataclass(slots=True)
+class DiskStats:
+    hits: int = 0
+    queued_hits: int = 0            # hits served from the write-behind queue (not yet on disk)
+    misses: int = 0
+    writes: int = 0
+    refused: int = 0                # puts larger than the budget, or with no room left
+    dropped_writes: int = 0         # put_async calls refused because the queue was full
+    write_errors: int = 0
+    read_errors: int = 0            # I/O errors other than a missing file (file kept)
+    evictions: int = 0
+    corrupt_files_deleted: int = 0   # bad files, and names that are not regular files (FIFOs, links)
+    stale_temps_removed: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0

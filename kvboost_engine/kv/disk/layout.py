@@ -1,25 +1,42 @@
 """Where entries live in the directory, and the small file operations the tier needs.
 
     {directory}/kv-v{FORMAT_VERSION}-{fingerprint hex}/{key hex[:2]}/{key hex}.kv
-    ... /{key hex[:2]}/.{key hex}.kv.{pid}.{thread}.tmp     (a write in progress)
+    ... /{key hex[:2]}/.{key hex}.kv.{host}-{pid}.{thread}.tmp     (a write in progress)
 
 Each fingerprint (and format version) has its own subdirectory: a tier never reads, counts
-or deletes another's files. The two-character fan-out keeps directories small.
+or deletes another's files. The two-character fan-out keeps directories small. A temp file
+names its writer (host tag and pid), so one left by a killed writer is removed at the next
+start. Entry files are opened only when they are regular files: never a FIFO (which would
+block), a device, or a symlink (which could lead out of the directory).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from pathlib import Path
+
+import xxhash
 
 from .fileformat import FORMAT_VERSION
 
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
-STALE_TEMP_SECONDS = 600      # a temp file this old is left over from a crashed writer
+STALE_TEMP_SECONDS = 600      # a temp file of a live pid this old is left over (the pid was reused)
+FOREIGN_TEMP_SECONDS = 30     # a temp file whose writer cannot be checked (other host, old name) this old
+HOST_TAG = xxhash.xxh32_hexdigest(socket.gethostname().encode())   # pids are only comparable on one host
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FD = os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
+
+
+class NotRegularFile(OSError):
+    """An entry name that is not a regular file (a FIFO, a device, a symlink, a folder): junk."""
 
 
 def tier_root(directory, fingerprint: bytes) -> Path:
@@ -33,7 +50,7 @@ def entry_path(root: Path, key: bytes) -> Path:
 
 def temp_path(path: Path) -> Path:
     """A name no other thread or process writes to, in the same directory (so rename is atomic)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    return path.with_name(f".{path.name}.{HOST_TAG}-{os.getpid()}.{threading.get_ident()}.tmp")
 
 
 def key_of(name: str) -> bytes | None:
@@ -47,32 +64,120 @@ def key_of(name: str) -> bytes | None:
         return None
 
 
-def scan(root: Path) -> list[tuple[bytes, int]]:
-    """(key, size) of every entry file under `root`, least recently used (oldest mtime)
-    first; removes temp files older than STALE_TEMP_SECONDS on the way."""
-    found, now = [], time.time()
-    for sub in os.scandir(root):
-        if not sub.is_dir() or len(sub.name) != 2:
-            continue
-        for item in os.scandir(sub.path):
-            key = key_of(item.name)
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """(fd, stat) of the regular file at `path`, opened read-only without blocking and without
+    following a symlink (at the file or at its folder). Raises NotRegularFile when the name is
+    not a regular file, OSError for anything else (missing, or a symlinked folder)."""
+    try:
+        if _DIR_FD:
+            folder = os.open(path.parent, _DIR_FLAGS)
             try:
-                info = item.stat()
-            except OSError:
-                continue                 # removed meanwhile by another process
-            if key is not None:
-                found.append((info.st_mtime_ns, key, info.st_size))
-            elif item.name.endswith(".tmp") and now - info.st_mtime > STALE_TEMP_SECONDS:
-                unlink(Path(item.path))
-    return [(key, size) for _, key, size in sorted(found)]
+                fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+            finally:
+                os.close(folder)
+        else:                                   # pragma: no cover - platforms without dir_fd
+            fd = os.open(path, _READ_FLAGS)
+    except OSError as error:
+        if error.errno == errno.ELOOP and not os.path.islink(path.parent):
+            raise NotRegularFile(errno.ELOOP, "a symlink, not a regular file", str(path)) from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"not a regular file (mode {info.st_mode:o})", str(path))
+    return fd, info
+
+
+def temp_is_stale(name: str, age_seconds: float) -> bool:
+    """Whether the temp file `name` (this old) is left over by a writer that will not finish it."""
+    owner = name.rsplit(".", 3)[1] if name.count(".") >= 4 else ""
+    host, _, pid = owner.partition("-")
+    if host != HOST_TAG or not pid.isdigit():
+        return age_seconds > FOREIGN_TEMP_SECONDS
+    alive = pid_alive(int(pid))
+    if alive is None:
+        return age_seconds > FOREIGN_TEMP_SECONDS
+    return not alive or age_seconds > STALE_TEMP_SECONDS
+
+
+def pid_alive(pid: int) -> bool | None:
+    """Whether process `pid` exists on this host; None where that cannot be checked."""
+    if os.name != "posix":              # os.kill(pid, 0) would terminate the process on Windows
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                     # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def prepare_root(root: Path) -> bool:
+    """Create the tier's folder if needed; whether it can be written."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as error:
+        raise NotADirectoryError(f"the disk cache directory cannot hold {root}: {error}") from None
+    except OSError:
+        return False                    # no permission, a read-only file system
+    return writable(root)
+
+
+def still_names(path: Path, fd: int | None) -> bool:
+    """Whether `path` still names the file that was found bad (not one written since)."""
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    if fd is None:
+        return not stat.S_ISREG(now.st_mode)
+    return now.st_ino == os.fstat(fd).st_ino
+
+
+def writable(folder: Path) -> bool:
+    """Whether files can be created in `folder` (tried, not guessed from permission bits, which
+    do not bind root, nor tell a read-only mount)."""
+    probe = folder / f".probe.kv.{HOST_TAG}-{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except OSError:
+        return False
+    unlink(probe)
+    return True
+
+
+def write_atomically(path: Path, write, fsync: bool) -> bool:
+    """Write a file through `write(fd)` under a temp name, then rename it into place, so no reader
+    ever sees it partial. False (and no file, no temp) when the disk refuses (logged)."""
+    temp = temp_path(path)
+    if os.path.islink(path.parent):
+        log.warning("kvboost disk tier: not writing %s: its folder is a symlink", path)
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)   # even if removed by hand meanwhile
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            write(fd)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError as error:
+        log.warning("kvboost disk tier: could not write %s: %s", path, error)
+        unlink(temp)
+        return False
+    stamp(path)
+    return True
 
 
 def stamp(path: Path) -> None:
     """Set the file's mtime to now (ns precision): the LRU order a restart resumes from."""
     now = time.time_ns()
     try:
-        os.utime(path, ns=(now, now))
-    except OSError:
+        os.utime(path, ns=(now, now), follow_symlinks=False)
+    except (OSError, NotImplementedError):
         pass
 
 

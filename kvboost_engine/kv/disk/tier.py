@@ -4,34 +4,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ...errors import InputError
-from .fileformat import DTYPE_CODES, MAX_DIMS, CorruptEntry, entry_size, read_entry, write_entry
-from .index import LruBudget
-from .layout import KEY_BYTES, entry_path, scan, stamp, temp_path, tier_root, unlink
+from .fileformat import DTYPE_CODES, MAX_DIMS, CorruptEntry, check_header, entry_size, read_entry, write_entry
+from .index import DiskStats, LruBudget
+from .layout import (KEY_BYTES, NotRegularFile, entry_path, open_regular, prepare_root, stamp, still_names, tier_root,
+                     unlink, write_atomically)
+from .scan import scan
 from .writer import WriteBehind
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class DiskStats:
-    hits: int = 0
-    queued_hits: int = 0            # hits served from the write-behind queue (not yet on disk)
-    misses: int = 0
-    writes: int = 0
-    refused: int = 0                # puts larger than the budget, or with no room left
-    dropped_writes: int = 0         # put_async calls refused because the queue was full
-    write_errors: int = 0
-    read_errors: int = 0            # I/O errors other than a missing file (file kept)
-    evictions: int = 0
-    corrupt_files_deleted: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
 
 
 class DiskTier:
@@ -44,6 +30,11 @@ class DiskTier:
     directory each enforce it over the files they know of (found at start, written or read).
     Files of other fingerprints live in other subdirectories (layout.py) and are never read,
     counted or deleted: another model may be using them.
+
+    Only regular files are opened, without blocking (layout.open_regular); the start-up scan
+    checks every file's header, so junk costs only itself (scan.py). A directory that cannot be
+    written (a read-only, pre-warmed cache) is served read-only: entries are read, nothing is
+    written, stamped or deleted (one warning; `read_only` in stats).
     """
 
     def __init__(self, directory, budget_bytes: int, fingerprint: bytes, *,
@@ -55,9 +46,16 @@ class DiskTier:
                              f"max_pending_bytes={max_pending_bytes})")
         self.fingerprint = fingerprint
         self.root = tier_root(directory, fingerprint)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.read_only = not prepare_root(self.root)
+        except NotADirectoryError as error:
+            raise InputError(str(error)) from None
+        if self.read_only:
+            log.warning("kvboost disk tier: %s is not writable: serving its entries read-only (nothing new is "
+                        "written)", directory)
         self.fsync = fsync
         self._index = LruBudget(budget_bytes)
+        self._unreadable: set[bytes] = set()       # read-only: bad files that cannot be deleted
         self._writing: set[bytes] = set()          # keys whose file is being written now
         self._lock = threading.Lock()
         self._counters = DiskStats()
@@ -76,7 +74,7 @@ class DiskTier:
         kv = self._check_entry(key, tokens, kv)
         size = entry_size(len(tokens), kv)
         with self._lock:
-            if self._closed:
+            if self._closed or self.read_only:
                 return False
             if key in self._writing:
                 return True                         # same key, so the same KV, on its way
@@ -107,7 +105,7 @@ class DiskTier:
         kv = self._check_entry(key, tokens, kv)
         size = entry_size(len(tokens), kv)
         with self._lock:
-            if self._closed:
+            if self._closed or self.read_only:
                 return False
             if size > self._index.budget_bytes:
                 self._counters.refused += 1
@@ -146,22 +144,26 @@ class DiskTier:
                 self._counters.queued_hits += 1
             return queued
         path = self._path(key)
+        if key in self._unreadable:
+            return self._miss()
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, info = open_regular(path)
+        except NotRegularFile as error:
+            self._discard(key, path, error)
+            return None
         except OSError as error:
             self._count_miss(key, error)
             return None
         try:
-            return self._read_open(key, path, fd)
+            return self._read_open(key, path, fd, info)
         finally:
             os.close(fd)
 
-    def _read_open(self, key: bytes, path: Path, fd: int):
+    def _read_open(self, key: bytes, path: Path, fd: int, info: os.stat_result):
         try:
-            info = os.fstat(fd)
             entry = read_entry(fd, info.st_size, self.fingerprint, key)
         except CorruptEntry as error:
-            self._discard_corrupt(key, path, fd, error)
+            self._discard(key, path, error, fd)
             return None
         except OSError as error:
             self._count_miss(key, error)
@@ -173,7 +175,8 @@ class DiskTier:
                 self._index.touch(key)
             elif key not in self._writing and os.fstat(fd).st_nlink:   # another process wrote it
                 self._adopt(key, info.st_size)
-        stamp(path)
+        if not self.read_only:
+            stamp(path)
         return entry.start, entry.tokens, entry.kv, entry.exact
 
     def contains(self, key: bytes) -> bool:
@@ -184,13 +187,26 @@ class DiskTier:
         with self._lock:
             if key in self._index:
                 return True
+        path = self._path(key)
+        if key in self._unreadable:
+            return False
         try:
-            size = os.stat(self._path(key)).st_size
+            fd, info = open_regular(path)
+        except NotRegularFile as error:
+            self._discard(key, path, error, count_miss=False)
+            return False
         except OSError:
             return False
+        try:
+            check_header(fd, info.st_size, self.fingerprint, key)
+        except (CorruptEntry, OSError) as error:
+            self._discard(key, path, error, fd, count_miss=False)
+            return False
+        finally:
+            os.close(fd)
         with self._lock:
             if key not in self._index:
-                self._adopt(key, size)
+                self._adopt(key, info.st_size)
         return True
 
     def delete(self, key: bytes) -> bool:
@@ -199,12 +215,12 @@ class DiskTier:
         cancelled = self._writer.cancel(key)
         with self._lock:
             known = self._index.remove(key) is not None
-            return unlink(self._path(key)) or known or cancelled
+            return (not self.read_only and unlink(self._path(key))) or known or cancelled
 
     def stats(self) -> dict:
         with self._lock:
             return {"entries": len(self._index), "bytes_used": self._index.bytes_used,
-                    "budget_bytes": self._index.budget_bytes, **asdict(self._counters),
+                    "budget_bytes": self._index.budget_bytes, "read_only": self.read_only, **asdict(self._counters),
                     "pending_writes": len(self._writer), "pending_bytes": self._writer.pending_bytes}
 
     # ---- internals ----------------------------------------------------------------------
@@ -222,24 +238,13 @@ class DiskTier:
         return kv.detach().to("cpu").contiguous()
 
     def _write_file(self, key: bytes, start: int, tokens, kv: torch.Tensor, exact: bool) -> bool:
-        path = self._path(key)
-        temp = temp_path(path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)   # even if removed by hand meanwhile
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, path)
-        except OSError as error:
-            log.warning("kvboost disk tier: could not write %s: %s", path, error)
-            unlink(temp)
-            return False
-        stamp(path)
-        return True
+        def write(fd: int) -> None:
+            write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
+        return write_atomically(self._path(key), write, self.fsync)
+
+    def _miss(self) -> None:
+        with self._lock:
+            self._counters.misses += 1
 
     def _count_miss(self, key: bytes, error: OSError) -> None:
         with self._lock:
@@ -251,18 +256,20 @@ class DiskTier:
                 self._counters.read_errors += 1
                 log.warning("kvboost disk tier: could not read %s: %s", self._path(key), error)
 
-    def _discard_corrupt(self, key: bytes, path: Path, fd: int, error: CorruptEntry) -> None:
-        log.warning("kvboost disk tier: deleting corrupt entry %s: %s", path, error)
+    def _discard(self, key: bytes, path: Path, error: OSError | CorruptEntry, fd: int | None = None,
+                 count_miss: bool = True) -> None:
+        """A file that must not be served (corrupt, foreign, not a regular file): a miss; deleted
+        unless the tier is read-only or the name now holds another (fresh) file."""
+        log.warning("kvboost disk tier: %s entry %s: %s", "skipping" if self.read_only else "deleting", path, error)
         with self._lock:
-            self._counters.misses += 1
-            self._counters.corrupt_files_deleted += 1
-            if key not in self._writing:
-                self._index.remove(key)
-                try:                    # only if it is still the file we read, not a fresh one
-                    if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                        unlink(path)
-                except OSError:
-                    pass
+            self._counters.misses += count_miss
+            if key in self._writing:
+                return
+            self._index.remove(key)
+            if self.read_only:
+                self._unreadable.add(key)
+            elif still_names(path, fd) and unlink(path):
+                self._counters.corrupt_files_deleted += 1
 
     def _adopt(self, key: bytes, size: int) -> None:
         """Account a file another process wrote; evicts older ones if it breaks the budget.
@@ -271,7 +278,8 @@ class DiskTier:
         if size > self._index.budget_bytes:
             return
         self._index.add(key, size)
-        self._unlink_evicted(self._index.trim(self._writing | {key}))
+        if not self.read_only:
+            self._unlink_evicted(self._index.trim(self._writing | {key}))
 
     def _unlink_evicted(self, victims: list[bytes]) -> None:
         for victim in victims:
@@ -279,10 +287,22 @@ class DiskTier:
             self._counters.evictions += 1
 
     def _scan(self) -> None:
-        """Index the files already there (oldest first) and fit them to the budget."""
-        for key, size in scan(self.root):
+        """Index the valid files already there (oldest first), fit them to the budget, and delete
+        junk (names that are not regular files, bad headers) and temps of dead writers."""
+        found = scan(self.root, self.fingerprint, self._index.budget_bytes, clean_temps=not self.read_only)
+        for key, size in found.entries:
             self._index.add(key, size)
-        self._unlink_evicted(self._index.trim(set()))
+        self._counters.stale_temps_removed += found.stale_temps_removed
+        if found.junk:
+            log.warning("kvboost disk tier: %d files in %s are not valid entries (not regular files, bad headers "
+                        "or sizes)%s", len(found.junk), self.root, "" if self.read_only else ": deleted")
+        for path in found.junk:
+            if self.read_only:
+                self._unreadable.add(bytes.fromhex(path.name[:2 * KEY_BYTES]))
+            elif unlink(path):
+                self._counters.corrupt_files_deleted += 1
+        if not self.read_only:
+            self._unlink_evicted(self._index.trim(set()))
 
 
 def _check_key(key: bytes) -> None:

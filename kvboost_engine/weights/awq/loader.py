@@ -71,7 +71,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
     resident = resident_layers_set(len(layers), resident_layers, layer_bytes=[bindings[i].nbytes for i in range(len(layers))],
                                    resident_bytes=resident_bytes, staging_slots=staging_slots)
     streamed = [i for i in range(len(layers)) if i not in resident and bindings[i].nbytes]
-    digest = ckpt.digest()
+    digest = ckpt.digest(Path(pack_dir or cache_home() / "awq-packs"))   # cached beside the pack files
     for i in sorted(set(range(len(layers))) - set(streamed)):
         bindings[i].bind(_layer_blob(bindings[i], layers[i], ckpt).to(device))
     model.to(device)

@@ -1,0 +1,250 @@
+"""A damaged or hostile disk tier directory: FIFOs, device links, links out of the directory, a
+sparse 50 GB file, a read-only directory, temp files of dead writers.
+
+Each case warms a directory with one engine (a tiny model), damages it, and starts another
+engine on it: nothing hangs, junk costs only itself, and the engine answers exactly like a
+cache_bytes=0 engine.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvboost_engine import Engine
+from kvboost_engine.kv.disk import DiskTier
+from kvboost_engine.kv.disk.layout import FOREIGN_TEMP_SECONDS, HOST_TAG, STALE_TEMP_SECONDS, writable
+from tiny_models import tiny_model
+
+MESSAGES = [{"role": "system", "content": "You are terse and exact. " * 12},
+            {"role": "user", "content": "Name one colour of the sea."}]
+FP = bytes(range(16))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer
+    from kvboost_engine.loading import default_model_dir
+    return tiny_model("llama", max_position_embeddings=512), AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def cold_tokens(tiny):
+    return Engine(*tiny, cache_bytes=0).chat(MESSAGES, max_new_tokens=6).token_ids
+
+
+def warm(tiny, directory: Path) -> list[Path]:
+    """Fill `directory` with the entries of MESSAGES; returns the entry files."""
+    with Engine(*tiny, disk_cache_dir=str(directory)) as engine:
+        engine.chat(MESSAGES, max_new_tokens=6)
+        root = engine.disk.root
+    files = sorted(root.rglob("*.kv"))
+    assert len(files) >= 3
+    return files
+
+
+def answer(engine: Engine, timeout: float = 120):
+    """engine.chat(MESSAGES) in a thread: fails (instead of hanging the suite) if it does not return."""
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(gen=engine.chat(MESSAGES, max_new_tokens=6)), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert not worker.is_alive(), "the request hung on the cache directory"
+    return out["gen"]
+
+
+def assert_answers_like_cold(engine: Engine, cold_tokens, *, restored: bool | None = None):
+    """Greedy tokens equal the no-cache engine's; `restored`: whether KV came from the disk."""
+    gen = answer(engine)
+    assert gen.token_ids == cold_tokens
+    if restored is not None:
+        assert (engine.stats()["disk_hits"] > 0) == restored
+
+
+def test_fifos_at_entry_names_never_block(tiny, cold_tokens, tmp_path):
+    files = warm(tiny, tmp_path)
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path))        # indexed the regular files
+    for path in files:                                          # now every entry is a FIFO
+        path.unlink()
+        os.mkfifo(path)
+    assert_answers_like_cold(engine, cold_tokens, restored=False)
+    assert engine.stats()["disk_corrupt_files_deleted"] >= 1   # the ones looked up, or checked before writing
+    engine.close()
+    fifos = [p for p in files if p.is_fifo()]
+    again = Engine(*tiny, disk_cache_dir=str(tmp_path))         # the start-up scan removes the rest
+    assert not any(p.is_fifo() for p in files)
+    assert again.stats()["disk_corrupt_files_deleted"] == len(fifos)
+    assert_answers_like_cold(again, cold_tokens, restored=True)
+
+
+def test_device_links_and_links_out_of_the_directory_are_never_followed(tiny, cold_tokens, tmp_path):
+    files = warm(tiny, tmp_path / "cache")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path / "cache"))
+    for index, path in enumerate(files):
+        target = outside / path.name
+        shutil.move(path, target)                               # a valid entry, but out of the directory
+        path.symlink_to("/dev/zero" if index == 0 else target)
+    assert_answers_like_cold(engine, cold_tokens, restored=False)
+    engine.close()
+    again = Engine(*tiny, disk_cache_dir=str(tmp_path / "cache"))   # the start-up scan removes the rest
+    assert not any(p.is_symlink() for p in files)               # the links went, their targets stayed
+    assert all((outside / p.name).is_file() for p in files)
+    assert_answers_like_cold(again, cold_tokens)
+
+
+def test_a_symlinked_fan_out_folder_is_not_followed(tiny, cold_tokens, tmp_path):
+    files = warm(tiny, tmp_path / "cache")
+    folder = files[0].parent
+    moved = tmp_path / "elsewhere"
+    shutil.move(folder, moved)
+    folder.symlink_to(moved, target_is_directory=True)
+    listing = sorted(p.name for p in moved.iterdir())
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path / "cache"))
+    assert_answers_like_cold(engine, cold_tokens)
+    engine.close()
+    assert sorted(p.name for p in moved.iterdir()) == listing   # nothing read, written or deleted there
+
+
+@pytest.mark.parametrize("size", [50 * 2**30, 2**20], ids=["sparse 50 GB", "1 MB of zeros"])
+def test_a_junk_file_costs_only_itself_at_start(tiny, cold_tokens, tmp_path, size):
+    files = warm(tiny, tmp_path)
+    junk = files[0].parent / ("ab" * 16 + ".kv")
+    with open(junk, "wb") as handle:
+        handle.truncate(size)                                   # sparse: no disk used
+    os.utime(junk, (1, 1))                                      # the oldest: first in LRU order
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path), disk_cache_bytes=4 * 2**30)
+    stats = engine.stats()
+    assert not junk.exists() and stats["disk_corrupt_files_deleted"] == 1
+    assert stats["disk_entries"] == len(files) and all(p.is_file() for p in files)
+    assert_answers_like_cold(engine, cold_tokens, restored=True)
+
+
+def test_a_sparse_file_appearing_later_is_a_miss_not_a_read(tiny, cold_tokens, tmp_path):
+    files = warm(tiny, tmp_path)
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path))
+    for path in files:
+        os.truncate(path, 50 * 2**30)                           # header intact, size wrong: never read
+    assert_answers_like_cold(engine, cold_tokens, restored=False)
+    assert engine.stats()["disk_bytes_read"] == 0
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make folders read-only: chmod, and where that does not bind (root), refuse writes under them
+    the way a read-only mount does (EROFS from every call that would change the directory)."""
+    folders: list[str] = []
+
+    def protect(folder: Path) -> None:
+        for path in [folder, *folder.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o555)
+        folders.append(os.path.abspath(folder))
+        if writable(folder):                                    # root: permission bits do not bind
+            _refuse_writes(monkeypatch, folders)
+
+    yield protect
+    for folder in folders:
+        for path in [Path(folder), *Path(folder).rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
+
+
+def _refuse_writes(monkeypatch, folders: list[str]) -> None:
+    def inside(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and any(
+            os.path.abspath(os.fspath(path)).startswith(f) for f in folders)
+
+    def guard(name: str, writes=lambda args, kwargs: True):
+        real = getattr(os, name)
+
+        def call(*args, **kwargs):
+            if writes(args, kwargs) and any(inside(a) for a in args[:2]):
+                raise OSError(errno.EROFS, "Read-only file system", os.fspath(args[0]))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(os, name, call)
+
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    guard("open", lambda args, kwargs: bool((args[1] if len(args) > 1 else kwargs.get("flags", 0)) & writing))
+    for name in ("mkdir", "unlink", "remove", "rename", "replace", "utime", "rmdir"):
+        guard(name)
+
+
+def test_a_read_only_prewarmed_directory_is_served_without_writes(tiny, cold_tokens, tmp_path, read_only, caplog):
+    files = warm(tiny, tmp_path / "cache")
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*")}
+    read_only(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(*tiny, disk_cache_dir=str(tmp_path / "cache"))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("not writable: serving its entries read-only" in w for w in warnings) == 1
+    assert any("read-only: the KV spill file goes to" in w for w in warnings)
+    assert engine.cache.pool.spill is not None                  # spilling still works, elsewhere
+    assert engine.stats()["disk_read_only"] and engine.stats()["disk_entries"] == len(files)
+    assert_answers_like_cold(engine, cold_tokens, restored=True)
+    engine.chat([{"role": "user", "content": "Something new to store."}], max_new_tokens=4)
+    engine.close()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*")} == before
+    assert engine.stats()["disk_writes"] == 0
+
+
+def test_a_read_only_directory_without_this_models_folder_still_starts(tiny, cold_tokens, tmp_path, read_only):
+    (tmp_path / "cache").mkdir()
+    read_only(tmp_path / "cache")
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path / "cache"))
+    assert engine.stats()["disk_read_only"] and engine.stats()["disk_entries"] == 0
+    assert_answers_like_cold(engine, cold_tokens, restored=False)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temps_of_dead_writers_are_removed_at_start(tiny, cold_tokens, tmp_path):
+    files = warm(tiny, tmp_path)
+    folder = files[0].parent
+    name = files[0].name
+    old = time.time() - FOREIGN_TEMP_SECONDS - 5
+    temps = {
+        "dead writer, fresh": (f".{name}.{HOST_TAG}-{_dead_pid()}.1.tmp", None, False),
+        "live writer, fresh": (f".{name}.{HOST_TAG}-{os.getpid()}.1.tmp", None, True),
+        "live writer, older than the pid could live": (f".{name}.{HOST_TAG}-{os.getpid()}.2.tmp",
+                                                       time.time() - STALE_TEMP_SECONDS - 5, False),
+        "other host, fresh": (f".{name}.00000000-1.1.tmp", None, True),
+        "other host, old": (f".{name}.00000000-1.2.tmp", old, False),
+        "old name format, old": (f".{name}.1.2.tmp", old, False),
+    }
+    for temp, mtime, _ in temps.values():
+        (folder / temp).write_bytes(b"half an entry")
+        if mtime is not None:
+            os.utime(folder / temp, (mtime, mtime))
+    engine = Engine(*tiny, disk_cache_dir=str(tmp_path))
+    kept = {label for label, (temp, _, _) in temps.items() if (folder / temp).exists()}
+    assert kept == {label for label, (_, _, keep) in temps.items() if keep}
+    assert engine.stats()["disk_stale_temps_removed"] == len(temps) - len(kept)
+    assert_answers_like_cold(engine, cold_tokens, restored=True)
+
+
+def test_tier_level_fifo_get_and_contains_return_at_once(tmp_path):
+    import torch
+    tier = DiskTier(tmp_path, 1 << 20, FP)
+    key = bytes(range(1, 17))
+    path = tier._path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    assert not tier.contains(key) and not path.exists()        # a FIFO is junk: removed
+    os.mkfifo(path)
+    assert tier.get(key) is None and not path.exists()
+    kv = torch.zeros(2, 1, 1, 4, 2)
+    assert tier.put(key, 0, (1, 2, 3, 4), kv, True) and tier.get(key)[1] == (1, 2, 3, 4)
