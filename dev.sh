@@ -20,7 +20,7 @@ setup() {
     .venv/bin/python -m pip install --quiet --upgrade pip
     # The CPU build of torch first, so nothing pulls a multi-GB CUDA build.
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index]"
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index,remote]"
     touch "$STAMP"
 }
 
