@@ -33,7 +33,7 @@ class RemoteGeneration(Generation):
 
     def telemetry(self) -> dict:
         data = Generation.telemetry(self)
-        data.update(replica=self.replica, served_model=self.served_model, failovers=list(self.failovers),
+        data.update(model_name=self.served_model, replica=self.replica, served_model=self.served_model, failovers=list(self.failovers),
                     server_cached_tokens=self.server.get("cached_tokens"),
                     server_cache_source=self.server.get("source"))
         if "timings" in self.server:

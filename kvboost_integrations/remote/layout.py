@@ -35,6 +35,7 @@ VOLATILE_PATTERNS = (
     r"\b1[5-9]\d{8}(?:\.\d+)?\b",                                                              # unix time
 )
 PART_JOINER = "\n\n"
+_VOLATILE = "volatile"      # the part kind of moved volatile text (sent as text, never part of a route key)
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
@@ -102,7 +103,7 @@ class PromptLayout:
             wire.append(_wire_message(message, parts, self.options.blend_separator))
             kind_of_text = "system" if message["role"] == "system" else "message"
             for kind, text in parts:
-                segments.append((kind_of_text if kind == "text" else "document", text))
+                segments.append(("document" if kind == "document" else kind_of_text, text))
             routing = _feed_route(route, message["role"], parts, routing)
             context.update(json.dumps(wire[-1], sort_keys=True).encode())
         return WirePrompt(wire, route.intdigest(), segments, moved)
@@ -229,7 +230,7 @@ def _parts(content) -> list[tuple[str, str]]:
     parts = []
     for part in content:
         kind = part.get("type")
-        if kind not in ("text", "document"):
+        if kind not in ("text", "document", _VOLATILE):
             raise InputError(f"the remote backend sends text only; got a content part of type {kind!r}")
         parts.append((kind, part.get("text") or ""))
     return parts
@@ -273,6 +274,8 @@ def _feed_route(route, role: str, parts: list[tuple[str, str]], routing: bool) -
             route.update(text.encode() + b"\x00")
         return True
     for kind, text in parts:
+        if kind == _VOLATILE:
+            continue
         route.update(text.encode() + b"\x00")
         if kind == "document" or not any(k == "document" for k, _ in parts):
             break
@@ -308,10 +311,10 @@ def _split_lines(text: str, pattern: re.Pattern) -> tuple[str, list[str]]:
     return ("\n".join(kept_lines), moved) if moved else (text, [])
 
 
-def _prepend_text(content, text: str):
-    """`text` before the last text part of a message (a user's question comes after it)."""
+def _prepend_text(content, text: str) -> list[dict]:
+    """`text` as a volatile part before the last text part of a message (a question comes after it)."""
     if content is None or isinstance(content, str):
-        return f"{text}{PART_JOINER}{content}" if content else text
+        content = [{"type": "text", "text": content}] if content else []
     parts = list(content)
     last_text = max((i for i, p in enumerate(parts) if p.get("type") == "text"), default=len(parts))
-    return parts[:last_text] + [{"type": "text", "text": text}] + parts[last_text:]
+    return parts[:last_text] + [{"type": _VOLATILE, "text": text}] + parts[last_text:]
