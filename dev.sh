@@ -68,6 +68,6 @@ case "$task" in
     bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;
     llama-server) bash .ci/remote.sh ;;
     vllm)  setup_vllm ;;
-    bench-remote) setup_bench; setup_vllm; .venv/bin/python -m benchmarks.remote "$@" ;;
+    bench-remote) setup_vllm; .venv/bin/python -m benchmarks.remote "$@" ;;
     *) echo "usage: bash dev.sh [setup|demo|test|bench|llama-server|vllm|bench-remote]" >&2; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ import difflib
 
 from kvboost_engine import InputError
 
+from .client import Replica
 from .dispatch import ReplicaUnavailableError
 from .engine import REMOTE_OPTIONS, RemoteEngine, RemotePrompt
 from .generation import RemoteGeneration
@@ -20,7 +21,7 @@ from .layout import DOCUMENT_ORDERS, VOLATILE_PATTERNS, LayoutOptions, PromptLay
 from .routing import POLICIES, HashRing, Router
 from .telemetry import format_report, parse_metrics, prefix_counters
 
-__all__ = ["RemoteEngine", "RemoteGeneration", "RemotePrompt", "ReplicaUnavailableError", "connect",
+__all__ = ["RemoteEngine", "Replica", "RemoteGeneration", "RemotePrompt", "ReplicaUnavailableError", "connect",
            "REMOTE_OPTIONS", "LayoutOptions", "PromptLayout", "DOCUMENT_ORDERS", "VOLATILE_PATTERNS", "Router",
            "HashRing", "POLICIES", "format_report", "parse_metrics", "prefix_counters", "is_remote"]
 
