@@ -99,12 +99,36 @@ def test_local_options_with_an_endpoint_are_an_error(server):
 
 
 def test_a_shared_remote_engine_and_engine_kwargs(server):
-    engine = RemoteEngine(server.url, document_order="retrieved")
+    engine = RemoteEngine(server.url, document_order="relevance")
     assert ChatKVBoost(engine=engine).invoke("Hi").content == server.reply
     assert KVBoost(engine=engine).complete("Hi").text == server.reply
     llm = ChatKVBoost(endpoint=[server.url], engine_kwargs={"routing": "round_robin"})
     llm.invoke("Hi")
     assert llm.get_engine().router.policy == "round_robin"
+
+
+def test_document_order_of_the_class_reaches_the_layout(server):
+    assert ChatKVBoost(endpoint=server.url).get_engine().layout.options.document_order == "cache"
+    llm = ChatKVBoost(endpoint=server.url, document_order="relevance")
+    assert llm.get_engine().layout.options.document_order == "relevance"
+    llm = KVBoost(endpoint=server.url, document_order="relevance", engine_kwargs={"document_order": "cache"})
+    assert llm.engine.layout.options.document_order == "cache"             # engine_kwargs win
+
+
+def test_api_key_without_endpoint_is_accepted_and_loads_nothing():
+    llm = ChatKVBoost(api_key="test", max_tokens=4)          # LangChain's standard unit suite passes one
+    assert llm._engine is None and llm.endpoint is None
+
+
+def test_llama_index_cache_order_reports_documents_placed(server):
+    llm = KVBoost(endpoint=server.url, max_new_tokens=32)
+    documents = [LlamaDocument(text=text, id_=name) for name, text in CORPUS.items()]
+    index = VectorStoreIndex.from_documents(documents, embed_model=HashEmbedding())
+    engine = as_query_engine(index, llm, similarity_top_k=3, node_order="cache")
+    first = engine.query(QUESTIONS[0])
+    again = engine.query(QUESTIONS[0])
+    assert str(again) == server.reply
+    assert (first.metadata["kvboost"]["documents_from_cache"], again.metadata["kvboost"]["documents_from_cache"]) == (0, 3)
 
 
 def test_llama_index_llm_chat_stream_async(server):

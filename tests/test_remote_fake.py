@@ -84,6 +84,26 @@ def test_cancel_stops_reading(server):
     assert first and len(rest) <= 1 and stream.generation.finish_reason == "cancelled"
 
 
+def test_close_ends_the_request_and_an_unstarted_stream_sends_nothing(server):
+    server.chunk_delay_s = 0.05
+    engine = RemoteEngine(server.url)
+    engine.model_name                                          # the model lookup is not a completion
+    engine.stream_chat(ask("Hi")).close()
+    assert not [r for r in server.requests if r["path"] == "/v1/chat/completions"]
+    stream = engine.stream_chat(ask("Hi"))
+    assert next(stream)
+    stream.close()                                             # returns once the request has ended
+    assert stream.generation.finish_reason == "cancelled" and stream.generation.text != server.reply
+
+
+def test_order_documents_counts_what_the_layout_will_put_first(server):
+    engine = RemoteEngine(server.url)
+    docs = [{"type": "document", "text": t} for t in ("A doc", "B doc", "C doc")]
+    engine.chat([SYSTEM, {"role": "user", "content": docs + [{"type": "text", "text": "Which?"}]}])
+    again = [SYSTEM, {"role": "user", "content": [docs[1], docs[0], {"type": "text", "text": "Which?"}]}]
+    assert engine.order_documents(again) == (again, 2)
+
+
 def test_tools_pass_through_and_tool_calls_come_back(server):
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     gen = RemoteEngine(server.url).chat(ask("Weather in Paris?"), tools=tools, tool_choice="any")

@@ -7,7 +7,7 @@ import pytest
 
 from kvboost_engine import InputError
 from kvboost_integrations.remote import LayoutOptions, PromptLayout, Router, parse_metrics, prefix_counters
-from kvboost_integrations.remote.layout import DocumentSequences
+from kvboost_integrations.remote.sequences import DocumentSequences
 
 SYSTEM = {"role": "system", "content": "You answer from the documents."}
 
@@ -32,11 +32,12 @@ def test_documents_follow_the_order_sent_before_and_new_ones_keep_relevance_orde
     # an overlapping set: the cached run first (A, B), then the new ones as retrieved (E, D)
     mixed = layout.lay_out(rag(["E doc", "B doc", "D doc", "A doc"]))
     assert documents_sent(mixed, ["A doc", "B doc", "D doc", "E doc"]) == ["A doc", "B doc", "E doc", "D doc"]
+    assert (first.placed, again.placed, mixed.placed) == (0, 3, 2)
     assert mixed.messages[-1]["content"].endswith("Which one?")
 
 
-def test_retrieved_order_is_kept_when_asked():
-    layout = PromptLayout(LayoutOptions(document_order="retrieved"))
+def test_relevance_order_is_kept_when_asked():
+    layout = PromptLayout(LayoutOptions(document_order="relevance"))
     layout.lay_out(rag(["A doc", "B doc"]))
     again = layout.lay_out(rag(["B doc", "A doc"]))
     assert documents_sent(again, ["A doc", "B doc"]) == ["B doc", "A doc"]
@@ -80,7 +81,7 @@ def test_cacheblend_separator_goes_around_documents():
 
 
 def test_route_key_is_the_leading_segments():
-    layout = PromptLayout(LayoutOptions(document_order="retrieved"))
+    layout = PromptLayout(LayoutOptions(document_order="relevance"))
     a = layout.lay_out(rag(["A doc", "B doc"], "Question one?"))
     b = layout.lay_out(rag(["A doc", "C doc"], "Question two?"))
     c = layout.lay_out(rag(["C doc", "A doc"], "Question one?"))
@@ -114,10 +115,10 @@ def test_bad_layout_input_is_an_error():
 
 def test_document_sequences_forget_least_recently_used_branches():
     sequences = DocumentSequences(capacity=4)
-    assert sequences.order(1, ["a", "b"]) == ["a", "b"]
-    assert sequences.order(2, ["c", "d"]) == ["c", "d"]      # 6 nodes > 4: prefix 1's branch is forgotten
-    assert sequences.order(1, ["b", "a"], record=False) == ["b", "a"]
-    assert sequences.order(2, ["d", "c"], record=False) == ["c", "d"]
+    assert sequences.order(1, ["a", "b"]) == (["a", "b"], 0)
+    assert sequences.order(2, ["c", "d"]) == (["c", "d"], 0)      # 6 nodes > 4: prefix 1's branch is forgotten
+    assert sequences.order(1, ["b", "a"], record=False) == (["b", "a"], 0)
+    assert sequences.order(2, ["d", "c"], record=False) == (["c", "d"], 2)
 
 
 def test_consistent_hashing_keeps_keys_on_their_replica_and_spreads_them():

@@ -1,7 +1,7 @@
 """Settings both LangChain classes share: which engine, and how to sample."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -49,6 +49,11 @@ class KVBoostSettings(BaseModel):
     """Documents found cached at another position: None/"full" (default: exact reuse only, replies
     identical to no cache), "blend" (approximate: re-rotated and partly recomputed; faster, changes
     some answers, see the README), "none" (re-rotated only)."""
+    document_order: Literal["relevance", "cache"] = "relevance"
+    """With "cache", documents given as content blocks that continue a cached prefix go first (exact
+    reuse, no approximation; see `Engine.order_documents`); the others keep their order.
+    `response_metadata["documents_from_cache"]` says how many were placed so. With `endpoint`, the
+    remote layout orders documents cache-first unless this is set to "relevance"."""
     engine_kwargs: dict[str, Any] | None = None
     """Any other option of `Engine.from_pretrained` (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."""
     temperature: float = 0.0
@@ -90,7 +95,8 @@ class KVBoostSettings(BaseModel):
         """The engine, loaded (or looked up among shared engines) on first use."""
         if self._engine is None and self.endpoint is not None:
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
-                                   timeout=self.timeout, max_retries=self.max_retries, options=self.engine_kwargs)
+                                   timeout=self.timeout, max_retries=self.max_retries, options=self.engine_kwargs,
+                                   document_order=self.document_order if "document_order" in self.model_fields_set else None)
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
                                      cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,

@@ -27,9 +27,13 @@ __all__ = ["RemoteEngine", "Replica", "RemoteGeneration", "RemotePrompt", "Repli
 
 
 def connect(endpoint: str | list[str], *, api_key: str | None = None, served_model: str | None = None,
-            timeout: float | None = None, max_retries: int = 0, options: dict | None = None) -> RemoteEngine:
-    """A RemoteEngine for a framework class: `options` (its `engine_kwargs`) checked by name."""
+            timeout: float | None = None, max_retries: int = 0, options: dict | None = None,
+            document_order: str | None = None) -> RemoteEngine:
+    """A RemoteEngine for a framework class: `options` (its `engine_kwargs`) checked by name;
+    `document_order` (the class's field, when set) unless the options name one."""
     options = dict(options or {})
+    if document_order is not None:
+        options.setdefault("document_order", document_order)
     unknown = [name for name in options if name not in REMOTE_OPTIONS]
     if unknown:
         hints = "; ".join(f"{name!r}" + "".join(f" (did you mean {c!r}?)" for c in

@@ -52,7 +52,7 @@ class RemoteEngine:
     endpoints: one URL or a list (replicas serving the same model). served_model: the model
     name to request (None: the first one the server lists). routing: "cache" (consistent
     hashing of the leading segments, bounded loads) or "round_robin". document_order: "cache"
-    (documents that follow a sequence sent before are put in its order) or "retrieved" (as
+    (documents that follow a sequence sent before are put in its order) or "relevance" (as
     given). volatile: "last" (timestamp/id lines leave system messages for the last message)
     or "keep". blend_separator: LMCache CacheBlend's separator, put around documents.
     tokenizer: an HF tokenizer or model directory for local token counts (None: the server's).
@@ -144,6 +144,13 @@ class RemoteEngine:
             prompt.chunk_kinds.append(kind)
         return prompt
 
+    def order_documents(self, messages) -> tuple[list[dict], int]:
+        """The messages as given and how many of their documents the layout will put first (those
+        that continue a sequence sent before). The layout orders documents itself when it sends
+        (`document_order`), so the framework classes' `document_order="cache"` works unchanged."""
+        messages = list(messages)
+        return messages, self.layout.lay_out(messages, record=False).placed
+
     def wire_messages(self, messages) -> list[dict]:
         """The OpenAI messages a chat request with `messages` would send (nothing is remembered)."""
         return self.layout.lay_out(list(messages), record=False).messages
@@ -176,6 +183,8 @@ class RemoteEngine:
         cancel = threading.Event()
 
         def run():
+            if cancel.is_set():         # closed before its first delta was asked for: send nothing
+                return RemoteGeneration(finish_reason="cancelled")
             return (yield from self.dispatch.run(key, kind, make_body(), cancel))
         return GenerationStream(run(), cancel)
 

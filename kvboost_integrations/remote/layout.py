@@ -8,7 +8,7 @@ before, token for token. So the layout:
   last message, where they no longer spoil the prefix of everything after them;
 - orders documents cache-first (`document_order="cache"`): the documents of a request that
   follow a sequence already sent after the same text are put in that sequence's order, the rest
-  after them in the order given (relevance); `"retrieved"` keeps the given order everywhere;
+  after them in the order given (relevance); `"relevance"` keeps the given order everywhere;
 - joins a message's parts with "\\n\\n", or with LMCache CacheBlend's separator
   (`blend_separator`, its `blend_special_str`) around documents;
 - names the leading segments (system messages and the first message up to its first document)
@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass, field
 
 import xxhash
 
 from kvboost_engine import InputError
 
-DOCUMENT_ORDERS = ("cache", "retrieved")
+from .sequences import DocumentSequences
+
+DOCUMENT_ORDERS = ("cache", "relevance")
 VOLATILE_MODES = ("last", "keep")
 VOLATILE_PATTERNS = (
     r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?\b",  # ISO date/time
@@ -67,13 +68,15 @@ class WirePrompt:
     """A laid-out chat prompt: OpenAI wire messages, the route key, and its segments in order.
 
     segments: (kind, text) with kind "system", "message" or "document", in the order sent
-    (for telemetry: how many document tokens there are and where they start).
+    (for telemetry: how many document tokens there are and where they start). placed: documents
+    put first because they continue a sequence sent before.
     """
 
     messages: list[dict]
     route_key: int
     segments: list[tuple[str, str]] = field(default_factory=list)
     moved_volatile: list[str] = field(default_factory=list)
+    placed: int = 0
 
 
 def route_key_of_text(prompt: str, chars: int = 1024) -> int:
@@ -97,24 +100,25 @@ class PromptLayout:
         messages, moved = self._move_volatile([_checked(m) for m in messages])
         wire, segments, route = [], [], xxhash.xxh64()
         context = xxhash.xxh64()
-        routing = True
+        routing, placed = True, 0
         for message in messages:
-            parts = self._ordered_parts(message, context, record)
+            parts, count = self._ordered_parts(message, context, record)
+            placed += count
             wire.append(_wire_message(message, parts, self.options.blend_separator))
             kind_of_text = "system" if message["role"] == "system" else "message"
             for kind, text in parts:
                 segments.append(("document" if kind == "document" else kind_of_text, text))
             routing = _feed_route(route, message["role"], parts, routing)
             context.update(json.dumps(wire[-1], sort_keys=True).encode())
-        return WirePrompt(wire, route.intdigest(), segments, moved)
+        return WirePrompt(wire, route.intdigest(), segments, moved, placed)
 
-    def _ordered_parts(self, message: dict, context, record: bool) -> list[tuple[str, str]]:
-        """(kind, text) parts of a message, document runs reordered cache-first."""
+    def _ordered_parts(self, message: dict, context, record: bool) -> tuple[list[tuple[str, str]], int]:
+        """(kind, text) parts of a message, document runs reordered cache-first; documents placed."""
         parts = _parts(message["content"])
-        if self.options.document_order == "retrieved":
-            return parts
+        if self.options.document_order == "relevance":
+            return parts, 0
         out: list[tuple[str, str]] = []
-        index = 0
+        index = placed = 0
         while index < len(parts):
             if parts[index][0] != "document":
                 out.append(parts[index])
@@ -125,10 +129,11 @@ class PromptLayout:
                 end += 1
             prefix = context.copy()
             prefix.update(json.dumps([message["role"], out]).encode())
-            texts = self._sequences.order(prefix.intdigest(), [text for _, text in parts[index:end]], record)
+            texts, count = self._sequences.order(prefix.intdigest(), [text for _, text in parts[index:end]], record)
             out.extend(("document", text) for text in texts)
+            placed += count
             index = end
-        return out
+        return out, placed
 
     def _move_volatile(self, messages: list[dict]) -> tuple[list[dict], list[str]]:
         """System messages without their volatile lines; those lines open the last message."""
@@ -147,73 +152,6 @@ class PromptLayout:
         if moved:
             out[-1] = {**out[-1], "content": _prepend_text(out[-1]["content"], "\n".join(moved))}
         return out, moved
-
-
-class DocumentSequences:
-    """Document sequences sent after each prefix: a trie keyed by (prefix hash, document hashes).
-
-    `order` puts the documents that continue the longest remembered sequence first, in that
-    sequence's order (the most recent on ties), then the others as given. Least recently used
-    branches are forgotten past `capacity` nodes.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._root: dict = {}
-        self._nodes = 0
-        self._clock = 0
-        self._lock = threading.Lock()
-
-    def order(self, prefix: int, texts: list[str], record: bool = True) -> list[str]:
-        hashes = [xxhash.xxh64_intdigest(text.encode()) for text in texts]
-        if len(set(hashes)) < len(hashes):      # a document twice: leave the run as it is
-            return list(texts)
-        by_hash = dict(zip(hashes, texts))
-        with self._lock:
-            node = self._root.get(prefix)
-            path = _longest_path(node, set(hashes)) if node else []
-            sequence = path + [h for h in hashes if h not in set(path)]
-            if record:
-                self._record(prefix, sequence)
-        return [by_hash[h] for h in sequence]
-
-    def _record(self, prefix: int, sequence: list[int]) -> None:
-        self._clock += 1
-        level = self._root
-        for key in [prefix, *sequence]:
-            if key not in level:
-                level[key] = [{}, self._clock]
-                self._nodes += 1
-            level[key][1] = self._clock
-            level = level[key][0]
-        while self._nodes > self.capacity:
-            self._forget_oldest_leaf()
-
-    def _forget_oldest_leaf(self) -> None:
-        oldest, parent, key = None, None, None
-        stack = [self._root]
-        while stack:
-            level = stack.pop()
-            for child_key, (children, stamp) in level.items():
-                if not children and (oldest is None or stamp < oldest):
-                    oldest, parent, key = stamp, level, child_key
-                stack.append(children)
-        assert parent is not None
-        del parent[key]
-        self._nodes -= 1
-
-
-def _longest_path(node, wanted: set[int]) -> list[int]:
-    """The longest chain of `wanted` documents below `node`; the most recent branch on ties."""
-    best: list[int] = []
-    best_stamp = -1
-    for key, (children, stamp) in node[0].items():
-        if key not in wanted:
-            continue
-        path = [key] + _longest_path((children, stamp), wanted - {key})
-        if len(path) > len(best) or (len(path) == len(best) and stamp > best_stamp):
-            best, best_stamp = path, stamp
-    return best
 
 
 def _checked(message: dict) -> dict:
