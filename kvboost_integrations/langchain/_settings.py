@@ -96,7 +96,7 @@ class KVBoostSettings(BaseModel):
         if self._engine is None and self.endpoint is not None:
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
                                    timeout=self.timeout, max_retries=self.max_retries, options=self.engine_kwargs,
-                                   document_order=self.document_order if "document_order" in self.model_fields_set else None)
+                                   document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
                                      cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
@@ -155,3 +155,8 @@ def response_metadata(gen: Generation, model_name: str, finish_reason: str | Non
     if finish_reason:
         meta["finish_reason"] = finish_reason
     return meta
+
+
+def _set_order(settings) -> str | None:
+    """The document_order field when it was given (it then reaches a remote engine's layout)."""
+    return settings.document_order if "document_order" in settings.model_fields_set else None

@@ -102,7 +102,7 @@ class KVBoost(LLM):
         if self._engine is None and self.endpoint is not None:
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
                                    options=self.engine_kwargs,
-                                   document_order=self.document_order if "document_order" in self.model_fields_set else None)
+                                   document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
                                      cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
@@ -229,3 +229,8 @@ class KVBoost(LLM):
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         """`stream_complete` as an async generator, decoded off the event loop."""
         return self._acompletions(self._completion_call(prompt, formatted, kwargs))
+
+
+def _set_order(settings) -> str | None:
+    """The document_order field when it was given (it then reaches a remote engine's layout)."""
+    return settings.document_order if "document_order" in settings.model_fields_set else None
