@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int)
     args = parser.parse_args(argv)
     start = start_llama_server if args.kind == "llama" else start_vllm
+    for signum in (signal.SIGINT, signal.SIGTERM):     # also when started in the background (SIGINT ignored)
+        signal.signal(signum, _interrupt)
     server = start(port=args.port)
     print(f"{args.kind} ready at {server.url} after {server.ready_s:.1f} s (log: {server.log_path}); Ctrl-C stops it")
     sys.stdout.flush()
@@ -171,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         server.stop()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
