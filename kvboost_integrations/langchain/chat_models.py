@@ -19,6 +19,7 @@ from kvboost_engine import Generation, GenerationStream
 
 from .._bridge import aiter_stream_timeout, iter_stream
 from .._guided import json_stream, tool_call_stream
+from ..remote import is_remote
 from ._settings import KVBoostSettings, response_metadata, usage_metadata
 from .messages import to_engine_messages
 from .tools import (TOOL_CLOSE, TOOL_OPEN, ToolCallSplitter, add_tool_prompt, normalize_tool_choice,
@@ -76,6 +77,9 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
     def _open(self, messages: list[BaseMessage], tools: list[dict], choice: str, response_format,
               params: dict, reply: "_Reply") -> GenerationStream:
         engine = self.get_engine()
+        if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
+            return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
+                                      tool_choice=choice, response_format=response_format, **params)
         native = bool(tools) and template_supports_tools(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=native)
         if self.document_order == "cache":
@@ -172,6 +176,7 @@ class _Reply:
             visible = self.splitter.feed(item)
             return ChatGenerationChunk(message=AIMessageChunk(content=visible)) if visible else None
         rest, calls = self.splitter.finish()
+        calls = calls or _server_tool_calls(item)
         finish = "tool_calls" if calls else item.finish_reason
         metadata = response_metadata(item, self.model_name, finish)
         if self.documents_from_cache is not None:
@@ -179,3 +184,9 @@ class _Reply:
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
                                  response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})
+
+
+def _server_tool_calls(gen: Generation) -> list[dict]:
+    """Tool calls a remote server parsed, as LangChain tool_call_chunk dicts."""
+    return [{"name": call["name"], "args": call["arguments"], "id": call["id"], "index": call["index"],
+             "type": "tool_call_chunk"} for call in getattr(gen, "tool_calls", ())]

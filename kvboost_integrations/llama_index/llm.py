@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -23,10 +23,12 @@ from kvboost_engine import Engine, InputError
 
 from .._bridge import resolve_engine
 from .._options import check_arguments, engine_options
+from ..remote import RemoteEngine, connect
 from .calls import EngineCall, ResponseShaper, alast, last
 from .messages import ModelTokenizer, to_engine_messages
 
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+_LOCAL_OPTIONS = ("model", "device", "dtype", "cache_bytes", "chunk_tokens", "moved_reuse")
 DOCUMENT_ORDERS = ("relevance", "cache")
 
 
@@ -66,16 +68,26 @@ class KVBoost(LLM):
         "cache), 'blend' (approximate: faster, changes some answers; see the README), 'none'."))
     document_order: str = Field(default="relevance", description=(
         "'cache': document parts that continue a cached prefix go first (exact reuse; see "
-        "Engine.order_documents); the others keep their order. Also a per-call keyword."))
+        "Engine.order_documents); the others keep their order. Also a per-call keyword. With `endpoint`, the "
+        "remote layout orders documents cache-first unless this is set to 'relevance'."))
     engine_kwargs: Optional[Dict[str, Any]] = Field(default=None, description=(
-        "Any other option of Engine.from_pretrained (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."))
+        "Any other option of Engine.from_pretrained (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...); "
+        "with `endpoint`, options of kvboost_integrations.remote.RemoteEngine (routing, document_order, ...)."))
+    endpoint: Optional[Union[str, List[str]]] = Field(default=None, description=(
+        "An OpenAI-compatible server (vLLM, llama-server), e.g. 'http://127.0.0.1:8000/v1', or a list of "
+        "replicas: requests go there instead of to an embedded model."))
+    api_key: Optional[str] = Field(default=None, exclude=True, repr=False, description="The servers' API key.")
+    served_model: Optional[str] = Field(default=None, description="Model name to request (None: the first listed).")
 
-    _engine: Optional[Engine] = PrivateAttr(default=None)
+    _engine: Optional[Union[Engine, RemoteEngine]] = PrivateAttr(default=None)
     _custom_completion_to_prompt: bool = PrivateAttr(default=False)
 
-    def __init__(self, *, engine: Optional[Engine] = None, **data: Any):
+    def __init__(self, *, engine: Optional[Union[Engine, RemoteEngine]] = None, **data: Any):
         """`engine`: use this engine instead of the shared one for `model` and options."""
         check_arguments(type(self).__name__, data, set(type(self).model_fields))
+        local = [name for name in _LOCAL_OPTIONS if data.get(name) is not None] + (["engine"] if engine else [])
+        if data.get("endpoint") is not None and local:
+            raise InputError(f"{', '.join(local)} configure an embedded engine; they cannot be used with endpoint=")
         super().__init__(**data)
         self._engine = engine
         self._custom_completion_to_prompt = data.get("completion_to_prompt") is not None
@@ -85,8 +97,12 @@ class KVBoost(LLM):
         return "KVBoost"
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Union[Engine, RemoteEngine]:
         """The engine behind this LLM (loaded on first use)."""
+        if self._engine is None and self.endpoint is not None:
+            self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
+                                   options=self.engine_kwargs,
+                                   document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
                                      cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
@@ -215,3 +231,8 @@ class KVBoost(LLM):
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         """`stream_complete` as an async generator, decoded off the event loop."""
         return self._acompletions(self._completion_call(prompt, formatted, kwargs))
+
+
+def _set_order(settings) -> str | None:
+    """The document_order field when it was given (it then reaches a remote engine's layout)."""
+    return settings.document_order if "document_order" in settings.model_fields_set else None

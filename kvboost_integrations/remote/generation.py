@@ -1,0 +1,140 @@
+"""A remote request's result (`RemoteGeneration`) and the state that streamed chunks build up.
+
+`RemoteGeneration` is a `Generation` (so every framework class reads it as it reads the local
+engine's): `reused_tokens` are the prompt tokens the server's prefix cache served (exact-prefix
+reuse, so they count as `reused_exact`), `ttft_s` is measured here from the call to the first
+delta. It adds what only a remote call has: the replica that answered, the replicas that failed
+before it, the tool calls the server parsed, and the server's own figures (`server`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from kvboost_engine import Generation
+
+
+@dataclass(slots=True)
+class RemoteGeneration(Generation):
+    """Result of one remote request. `server`: cached_tokens and where they came from
+    ("usage" or the replica's "metrics"), and llama.cpp's `timings` when it sends them."""
+
+    completion_count: int = 0
+    replica: str = ""
+    served_model: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    failovers: list[str] = field(default_factory=list)
+    server: dict = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.completion_count
+
+    def telemetry(self) -> dict:
+        data = Generation.telemetry(self)
+        data.update(model_name=self.served_model, replica=self.replica, served_model=self.served_model, failovers=list(self.failovers),
+                    server_cached_tokens=self.server.get("cached_tokens"),
+                    server_cache_source=self.server.get("source"))
+        if "timings" in self.server:
+            data["server_timings"] = self.server["timings"]
+        return data
+
+
+class ReplyState:
+    """Text, tool calls, finish reason and usage gathered from a stream of chunks."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.first_token_at: float | None = None
+        self.parts: list[str] = []
+        self.calls: dict[int, dict] = {}
+        self.finish_reason: str | None = None
+        self.usage = None
+        self.timings: dict | None = None
+
+    def feed_chat(self, chunk) -> str:
+        """Take one chat.completion.chunk; return its text delta ("" if none)."""
+        self._common(chunk)
+        text = ""
+        for choice in chunk.choices[:1]:
+            delta = choice.delta
+            if delta is not None and delta.content:
+                text = delta.content
+            for call in (delta.tool_calls or []) if delta is not None else []:
+                self._feed_call(call)
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+        return self._text(text)
+
+    def feed_completion(self, chunk) -> str:
+        """Take one text_completion chunk; return its text delta."""
+        self._common(chunk)
+        text = ""
+        for choice in chunk.choices[:1]:
+            text = choice.text or ""
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+        return self._text(text)
+
+    def _common(self, chunk) -> None:
+        if getattr(chunk, "usage", None) is not None:
+            self.usage = chunk.usage
+        timings = (chunk.model_extra or {}).get("timings")
+        if timings:
+            self.timings = timings
+
+    def _text(self, text: str) -> str:
+        if text:
+            self._first_token()
+            self.parts.append(text)
+        return text
+
+    def _first_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def _feed_call(self, call) -> None:
+        self._first_token()
+        entry = self.calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = call.id or entry["id"]
+        if call.function is not None:
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the server reports as served from its cache (None: it does not say)."""
+        details = getattr(self.usage, "prompt_tokens_details", None) if self.usage is not None else None
+        cached = getattr(details, "cached_tokens", None) if details is not None else None
+        if cached is None and self.timings and "cache_n" in self.timings:
+            cached = self.timings["cache_n"]
+        return cached
+
+    def generation(self, *, replica: str, model: str, cancelled: bool, failovers: list[str],
+                   metrics_cached: int | None = None) -> RemoteGeneration:
+        now = time.perf_counter()
+        cached = self.cached_tokens()
+        source = "usage" if cached is not None else ("metrics" if metrics_cached is not None else None)
+        cached = cached if cached is not None else metrics_cached
+        prompt_tokens = getattr(self.usage, "prompt_tokens", 0) or 0
+        server = {"cached_tokens": cached, "source": source}
+        if self.timings:
+            server["timings"] = self.timings
+        finish = "cancelled" if cancelled else (self.finish_reason or "stop")
+        reused = min(cached or 0, prompt_tokens)
+        return RemoteGeneration(
+            text="".join(self.parts), finish_reason=finish, prompt_tokens=prompt_tokens, reused_tokens=reused,
+            reused_exact=reused, ttft_s=(self.first_token_at or now) - self.started, total_s=now - self.started,
+            completion_count=getattr(self.usage, "completion_tokens", 0) or 0, replica=replica, served_model=model,
+            tool_calls=[_call(index, entry) for index, entry in sorted(self.calls.items())],
+            failovers=list(failovers), server=server)
+
+
+def _call(index: int, entry: dict) -> dict:
+    """A finished tool call: id, name, arguments (the JSON string sent) and args (parsed, or None)."""
+    try:
+        args = json.loads(entry["arguments"]) if entry["arguments"] else {}
+    except json.JSONDecodeError:
+        args = None
+    return {"id": entry["id"] or f"call_{index}", "index": index, "name": entry["name"],
+            "arguments": entry["arguments"], "args": args}
