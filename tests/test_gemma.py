@@ -203,9 +203,12 @@ def test_moving_one_token_more_than_the_rule_allows_changes_the_logits(tokenizer
     assert (logits - cold).abs().max() > 1e-4
 
 
-def test_spans_shorter_than_the_window_are_not_moved(tokenizer):
-    g, _ = moved_logits(window_only_model(window=256), tokenizer, [3, 1, 4], moved_reuse="none")
+def test_spans_shorter_than_the_window_are_not_moved_unless_the_rule_is_off(tokenizer):
+    model = window_only_model(window=256)
+    g, _ = moved_logits(model, tokenizer, [3, 1, 4], moved_reuse="none")
     assert g.reused_moved == 0
+    g, _ = moved_logits(model, tokenizer, [3, 1, 4], moved_reuse="none", moved_window_rule=False)
+    assert g.reused_moved > 0
 
 
 def test_full_repair_on_gemma_equals_no_cache(gemma, tokenizer):

@@ -155,6 +155,8 @@ def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, 
         return []
     n = len(prompt)
     spans = parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len, n - 1)
+    if not parts.config.moved_window_rule:
+        return spans
     return window_rule(spans, parts.adapter.layer_windows, parts.cache)
 
 
