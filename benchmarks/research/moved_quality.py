@@ -77,13 +77,19 @@ def request(engine: Engine, documents, question: str, **params):
     return engine.generate(completion_for(documents, question), **params)
 
 
-def engines(model, tokenizer, budget: int, ratios=RATIOS, window_rule: bool = True) -> dict[str, Engine]:
+def configurations(ratios=RATIOS, window_rule: bool = True) -> dict[str, dict]:
+    """Engine options of each configuration (moved reuse is opt-in: every moved one names its strategy)."""
     moved = dict(moved_window_rule=window_rule)
     configs = {"no-cache": dict(cache_bytes=0), "exact": dict(moved_reuse="full"),
                "none": dict(moved_reuse="none", **moved)}
     configs.update({f"blend-{r}": dict(moved_reuse="blend", recompute_ratio=r, **moved) for r in ratios})
     configs["full"] = dict(moved_reuse="blend", recompute_ratio=1.0, **moved)
-    return {name: Engine(model, tokenizer, **{"cache_bytes": budget, **opts}) for name, opts in configs.items()}
+    return configs
+
+
+def engines(model, tokenizer, budget: int, ratios=RATIOS, window_rule: bool = True) -> dict[str, Engine]:
+    return {name: Engine(model, tokenizer, **{"cache_bytes": budget, **opts})
+            for name, opts in configurations(ratios, window_rule).items()}
 
 
 def warm_up(engine: Engine, docs: list[str]) -> None:
@@ -138,9 +144,9 @@ def summarise(name: str, rows: list[dict], reference: list[dict], layers: int) -
 
 
 def run(questions: int, budget: int, seed: int = 0, ratios=RATIOS, model_name: str = "default",
-        window_rule: bool = True) -> dict:
+        window_rule: bool = True, pool: int = 50) -> dict:
     model, tokenizer = load_model(model_name)
-    docs, items = build(seed=seed)
+    docs, items = build(seed=seed, organisations=pool)
     items = items[:questions]
     configs = engines(model, tokenizer, budget, ratios, window_rule)
     for engine in configs.values():
@@ -195,12 +201,14 @@ def main(argv=None) -> None:
                         help="QA set seed (0: the acceptance set; others: held-out sets of 200 more questions)")
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)),
                         help="blend recompute ratios to run, comma-separated (default %(default)s)")
+    parser.add_argument("--pool", type=int, default=50, help="documents in the QA set (smaller: a quick smoke run)")
     parser.add_argument("--out", help="default benchmarks/results/moved_quality.json, or moved_quality_<model>.json")
     args = parser.parse_args(argv)
     ratios = tuple(float(r) for r in args.ratios.split(",") if r.strip())
     if not ratios or not all(0 < r < 1 for r in ratios):
         parser.error("--ratios: comma-separated values between 0 and 1 (exclusive)")
-    result = run(args.questions, int(args.cache_gib * 2**30), args.seed, ratios, args.model, not args.no_window_rule)
+    result = run(args.questions, int(args.cache_gib * 2**30), args.seed, ratios, args.model, not args.no_window_rule,
+                 args.pool)
     for s in result["summary"]:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
     suffix = "" if args.model == "default" else f"_{args.model}"
