@@ -103,6 +103,17 @@ def test_gemma_options_we_do_not_reproduce_are_refused_from_the_config(option, v
         check_supported(config)
 
 
+def test_a_base_model_without_chat_template_generates_but_refuses_chat(gemma):
+    """Like the real Gemma 3 270M, whose GGUF carries no chat template."""
+    from kvboost_engine import InputError
+    base_tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    base_tokenizer.chat_template = None
+    engine = Engine(gemma, base_tokenizer, cache_bytes=0)
+    with pytest.raises(InputError, match="no chat template; use generate"):
+        engine.chat([{"role": "user", "content": "Hi"}])
+    assert engine.generate("The river", max_new_tokens=3, min_new_tokens=3).completion_tokens == 3
+
+
 # ---- exact reuse ------------------------------------------------------------------------------
 def test_eight_turn_chat_by_generate_is_identical_cached_and_uncached(gemma, tokenizer):
     warm = chat_by_generate(Engine(gemma, tokenizer, cache_bytes=64 * 2**20), tokenizer)
