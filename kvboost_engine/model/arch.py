@@ -168,7 +168,12 @@ class ModelAdapter:
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, lm_head (and final logit soft-capping where the model has it) on the last
         position only: [1, N, hidden] -> [vocab] fp32."""
-        logits = self.lm_head(self.norm(hidden[:, -1:, :]))[0, -1]
+        return self.logits_at(hidden, [hidden.shape[1] - 1])[0]
+
+    def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Final norm, lm_head (and final logit soft-capping where the model has it) on the given
+        positions only: [1, N, hidden] -> [len(rows), vocab] fp32."""
+        logits = self.lm_head(self.norm(hidden[:, rows, :]))[0]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()

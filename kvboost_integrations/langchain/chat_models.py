@@ -66,16 +66,20 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         params = self.sampling_params(stop, kwargs)
         tools_active = bool(tools) and choice != "none" and response_format is None
 
-        def start() -> GenerationStream:     # runs in the worker thread for async calls
-            return self._open(messages, tools if tools_active else [], choice, response_format, params)
+        reply = _Reply(self.model_name, tools_active)
 
-        return start, _Reply(self.model_name, tools_active)
+        def start() -> GenerationStream:     # runs in the worker thread for async calls
+            return self._open(messages, tools if tools_active else [], choice, response_format, params, reply)
+
+        return start, reply
 
     def _open(self, messages: list[BaseMessage], tools: list[dict], choice: str, response_format,
-              params: dict) -> GenerationStream:
+              params: dict, reply: "_Reply") -> GenerationStream:
         engine = self.get_engine()
         native = bool(tools) and template_supports_tools(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=native)
+        if self.document_order == "cache":
+            chat, reply.documents_from_cache = engine.order_documents(chat)
         if response_format is not None:
             return json_stream(engine, self.vocabulary(), chat, response_format, **params)
         if not tools:
@@ -161,6 +165,7 @@ class _Reply:
     def __init__(self, model_name: str, tools_active: bool):
         self.model_name = model_name
         self.splitter = ToolCallSplitter(tools_active)
+        self.documents_from_cache: int | None = None
 
     def chunk(self, item: str | Generation) -> ChatGenerationChunk | None:
         if isinstance(item, str):
@@ -168,7 +173,9 @@ class _Reply:
             return ChatGenerationChunk(message=AIMessageChunk(content=visible)) if visible else None
         rest, calls = self.splitter.finish()
         finish = "tool_calls" if calls else item.finish_reason
+        metadata = response_metadata(item, self.model_name, finish)
+        if self.documents_from_cache is not None:
+            metadata["documents_from_cache"] = self.documents_from_cache
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
-                                 response_metadata=response_metadata(item, self.model_name, finish),
-                                 chunk_position="last")
+                                 response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})

@@ -23,8 +23,10 @@ class EngineCall:
     """
 
     def __init__(self, get_engine: Callable[[], Engine], params: dict, *, messages: list[dict] | None = None,
-                 prompt: str | None = None, template_kwargs: dict | None = None):
+                 prompt: str | None = None, template_kwargs: dict | None = None, document_order: str = "relevance"):
         assert (messages is None) != (prompt is None)
+        self.document_order = document_order
+        self._documents_from_cache: int | None = None
         self._get_engine = get_engine
         self.params = params
         self.messages = messages
@@ -39,6 +41,8 @@ class EngineCall:
         if self.messages is None:
             return engine.stream(self.prompt, **self.params)
         if _has_documents(self.messages):
+            if self.document_order == "cache":
+                self.messages, self._documents_from_cache = engine.order_documents(self.messages)
             self._layout = engine.encode_messages(self.messages, **self.template_kwargs)
         return engine.stream_chat(self.messages, template_kwargs=self.template_kwargs or None, **self.params)
 
@@ -47,6 +51,8 @@ class EngineCall:
         data = {**generation_metadata(gen, self._model_name), "total_tokens": gen.prompt_tokens + gen.completion_tokens}
         if self._layout is not None:
             data.update(document_reuse(self._layout, gen))
+        if self._documents_from_cache is not None:
+            data["documents_from_cache"] = self._documents_from_cache
         return data
 
     def events(self) -> Iterator[str | Generation]:

@@ -27,6 +27,7 @@ from .calls import EngineCall, ResponseShaper, alast, last
 from .messages import ModelTokenizer, to_engine_messages
 
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+DOCUMENT_ORDERS = ("relevance", "cache")
 
 
 class KVBoost(LLM):
@@ -63,6 +64,9 @@ class KVBoost(LLM):
     moved_reuse: Optional[str] = Field(default=None, description=(
         "Documents cached at another position: None/'full' (default: exact reuse only, replies identical to no "
         "cache), 'blend' (approximate: faster, changes some answers; see the README), 'none'."))
+    document_order: str = Field(default="relevance", description=(
+        "'cache': document parts that continue a cached prefix go first (exact reuse; see "
+        "Engine.order_documents); the others keep their order. Also a per-call keyword."))
     engine_kwargs: Optional[Dict[str, Any]] = Field(default=None, description=(
         "Any other option of Engine.from_pretrained (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."))
 
@@ -131,8 +135,12 @@ class KVBoost(LLM):
         return params
 
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> EngineCall:
+        kwargs = dict(kwargs)
+        order = kwargs.pop("document_order", None) or self.document_order
+        if order not in DOCUMENT_ORDERS:
+            raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")
         return EngineCall(lambda: self.engine, self._params(kwargs), messages=to_engine_messages(messages),
-                          template_kwargs=self.template_kwargs)
+                          template_kwargs=self.template_kwargs, document_order=order)
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
         """`formatted` prompts (or a custom completion_to_prompt) go in as plain text; otherwise
