@@ -7,7 +7,13 @@ import platform
 
 import torch
 
-from kvboost_engine.loading import default_model_dir, load_model_and_tokenizer
+from kvboost_engine.loading import default_model_dir, load_model_and_tokenizer, resolve_model_dir
+
+# --model choices of the benchmarks that run on more than the default model, and how results name them
+MODELS = {
+    "default": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)",
+    "gemma3-270m": "Gemma 3 270M base (GGUF Q4_K_M dequantized)",
+}
 
 
 def load_default(dtype=torch.float32):
@@ -15,12 +21,21 @@ def load_default(dtype=torch.float32):
     return model, tokenizer
 
 
-def environment(model) -> dict:
+def load_model(name: str = "default", dtype=torch.float32):
+    """(model, tokenizer) of a `MODELS` entry, fp32 on CPU (a named model is fetched and converted once)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    if name == "default":
+        return load_default(dtype)
+    return load_model_and_tokenizer(resolve_model_dir(name), device=torch.device("cpu"), dtype=dtype)
+
+
+def environment(model, name: str = "default") -> dict:
     """What a reader needs to reproduce a figure: model, dtype, threads, machine, versions, date."""
     import transformers
     param = next(model.parameters())
     return {
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)",
+        "model": MODELS.get(name, name),
         "dtype": str(param.dtype), "device": str(param.device),
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
@@ -52,8 +67,13 @@ def drop_page_cache(path) -> None:
 
 def chat_with_first_logits(engine, messages, **params):
     """`engine.chat`, plus the logits [vocab] its first token was chosen from (via instrumentation)."""
+    return with_first_logits(engine, lambda: engine.chat(messages, **params))
+
+
+def with_first_logits(engine, request):
+    """`request()` (a call on `engine`), plus the logits [vocab] its first token was chosen from."""
     from kvboost_engine import FirstTokenEvent
     seen = []
     with engine.instruments.subscribe(lambda e: seen.append(e.logits) if isinstance(e, FirstTokenEvent) else None):
-        gen = engine.chat(messages, **params)
+        gen = request()
     return gen, seen[-1]

@@ -30,6 +30,10 @@ class EngineConfig:
         share of tokens whose KV deviates most at `check_layer` (plus the first
         `recompute_head_tokens` of each moved span): faster, but it changes some answers (the
         README gives the measured cost); "none" re-rotates only.
+    moved_window_rule: on models with sliding-window layers (window W), the first W - 1 tokens of
+        a moved span, whose windows reach into the text before it, are computed instead of moved,
+        and spans of at most W - 1 tokens are not moved at all. False moves whole spans (their
+        window layers then keep KV computed after other text): approximate, for measurements.
     moved_selection: how "blend" chooses the moved tokens to recompute: "deviation" (CacheBlend:
         the KV that changes most when recomputed at `check_layer`) or "attention" (ProphetKV-style:
         the tokens the new tokens attend to most over the first check_layer + 1 layers, measured by a
@@ -66,6 +70,7 @@ class EngineConfig:
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 4
     check_layer: int = 1
+    moved_window_rule: bool = True
     moved_selection: str = "deviation"
     paged: bool | None = None
     prefill_chunk_tokens: int = 1024

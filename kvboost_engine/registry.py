@@ -10,6 +10,7 @@ import os
 import threading
 
 from .engine import Engine
+from .named_models import named_model
 
 
 class EngineRegistry:
@@ -35,6 +36,9 @@ class EngineRegistry:
 
 def _key(model, options: dict) -> tuple:
     name = None if model is None else os.path.abspath(os.fspath(model)) if os.path.exists(os.fspath(model)) else os.fspath(model)
+    named = named_model(name) if isinstance(name, str) and not os.path.exists(name) else None
+    if named is not None:
+        name = named.name                   # a named model and its package name are one model
     return (name, tuple(sorted((k, repr(v)) for k, v in options.items())))
 
 

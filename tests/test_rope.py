@@ -56,3 +56,33 @@ def test_length_dependent_rope_refuses_beyond_original_window():
     mover = RopeMover(ModelAdapter(model))
     assert mover.can_move(1023) and not mover.can_move(1024)
     assert RopeMover(ModelAdapter(tiny_model("llama"))).can_move(4000)
+
+
+def test_gemma3_moves_each_layer_with_its_own_frequencies():
+    """Sliding-window layers (base 1e4) and global layers (base 1e6) each match the model's rotary
+    for their own layer type; using one set for all layers would be off by far more."""
+    model = tiny_model("gemma3_text")
+    adapter = ModelAdapter(model)
+    mover = RopeMover(adapter)
+    assert mover.per_layer and mover.can_move(10**6)
+    layers, kv_heads, dim = adapter.geometry.num_layers, adapter.geometry.kv_heads, adapter.geometry.head_dim
+    torch.manual_seed(2)
+    raw = torch.randn(layers, kv_heads, 40, dim) * 4                    # [layers, kv_heads, n, D]
+    apply = sys.modules[type(model).__module__].apply_rotary_pos_emb
+
+    def at(start):
+        positions = torch.arange(start, start + raw.shape[2])[None]
+        out = torch.empty_like(raw)
+        for layer, kind in enumerate(adapter.layer_rope_kinds):
+            cos, sin = model.model.rotary_emb(raw, positions, kind)
+            out[layer] = apply(raw[layer][None], raw[layer][None], cos, sin)[1][0]
+        return out
+
+    for old, new in ((0, 37), (5, 900), (1000, 3), (17, 18)):
+        moved = mover.move(at(old).clone(), old, new)
+        expected = at(new)
+        # relative to the keys' size (|k| up to ~20 here): fp32 rounding of the rotation itself
+        assert ((moved - expected).abs().max() / expected.abs().max()) < 1e-6, (old, new)
+    assert (mover.kinds["sliding_attention"].rotate(at(0), 0, 900) - at(900)).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="layers"):
+        mover.move(at(0)[:1].clone(), 0, 5)

@@ -1,4 +1,4 @@
-"""Quality and TTFT of moved reuse on a seeded multi-document QA set (default model).
+"""Quality and TTFT of moved reuse on a seeded multi-document QA set (default model or Gemma 3 270M).
 
 Every document of the pool is seen once first (warm-up prompts of five documents); then each
 question comes with its document and four distractors in a new order, so documents are
@@ -16,7 +16,17 @@ reply with no-cache's, mean KL(no-cache || config) of the first answer token, re
 median TTFT and TTFT speedup over no-cache, and the cost model's prediction for blend.
 Questions run interleaved over configurations so machine noise hits all of them alike.
 
-Run: python -m benchmarks.research.moved_quality [--questions 200 --seed 0 --ratios 0.05,0.15,0.3 --out benchmarks/results/moved_quality.json]
+Prompt format. The default model is an instruct model: a system prompt, then the documents as
+parts of the user message, through `engine.chat`. Gemma 3 270M is the pretrained base model (no
+chat template), so it gets a few-shot completion through `engine.generate`: one instruction
+line, two worked examples (two short documents, a question, the answer in a few words), then
+"Document: ..." lines (each document its own segment, found again wherever it lands), the
+question and "Answer:"; the reply is read up to the first newline. On Gemma, the window rule
+(EngineConfig.moved_window_rule) keeps documents shorter than the 512-token window from being
+moved at all; --no-window-rule measures moved reuse without it.
+
+Run: python -m benchmarks.research.moved_quality [--model default|gemma3-270m --questions 200 --seed 0
+     --ratios 0.05,0.15,0.3 --no-window-rule --out benchmarks/results/moved_quality.json]
 """
 from __future__ import annotations
 
@@ -29,11 +39,23 @@ import torch
 
 from kvboost_engine import Engine
 
-from .._common import chat_with_first_logits, environment, load_default
+from .._common import MODELS, environment, load_model, with_first_logits
 from ..data.qa import build
 
 SYSTEM = "Answer the question using the documents. Reply with the answer only, in a few words."
 RATIOS = (0.05, 0.15, 0.3)
+FEW_SHOT = (
+    "Answer each question with a few words taken from the documents.\n\n"
+    "Document: The Corlin Society was founded in 1952. It is based in the city of Oslo. Its director is Ana Ruiz. "
+    "The code word of the Corlin Society is ember.\n"
+    "Document: The Mavet Guild was founded in 1907. It is based in the city of Lima. Its director is Jon Berg. "
+    "The code word of the Mavet Guild is onyx.\n"
+    "Question: Who is the director of the Mavet Guild?\nAnswer: Jon Berg\n\n"
+    "Document: The Pellor Institute was founded in 1984. It is based in the city of Perth. Its director is Mia Holt. "
+    "The code word of the Pellor Institute is cedar.\n"
+    "Document: The Sorvan Foundation was founded in 1899. It is based in the city of Dakar. Its director is Ravi Sen. "
+    "The code word of the Sorvan Foundation is flint.\n"
+    "Question: In which city is the Sorvan Foundation based?\nAnswer: Dakar\n\n")
 
 
 def messages_for(documents, question: str) -> list[dict]:
@@ -41,16 +63,38 @@ def messages_for(documents, question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
 
 
-def engines(model, tokenizer, budget: int, ratios=RATIOS) -> dict[str, Engine]:
-    configs = {"no-cache": dict(cache_bytes=0), "exact": dict(moved_reuse="full"), "none": dict(moved_reuse="none")}
-    configs.update({f"blend-{r}": dict(recompute_ratio=r) for r in ratios})
-    configs["full"] = dict(recompute_ratio=1.0)
-    return {name: Engine(model, tokenizer, **{"cache_bytes": budget, **opts}) for name, opts in configs.items()}
+def completion_for(documents, question: str) -> list[dict]:
+    """The base-model prompt: few-shot examples, then each document as its own segment, then the question."""
+    return ([{"text": FEW_SHOT, "kind": "system"}]
+            + [{"text": f"Document: {d}\n", "kind": "document"} for d in documents]
+            + [{"text": f"Question: {question}\nAnswer:", "kind": "text"}])
+
+
+def request(engine: Engine, documents, question: str, **params):
+    """One question through the prompt format the model follows (chat template, else few-shot completion)."""
+    if getattr(engine.tokenizer, "chat_template", None):
+        return engine.chat(messages_for(documents, question), **params)
+    return engine.generate(completion_for(documents, question), **params)
+
+
+def configurations(ratios=RATIOS, window_rule: bool = True) -> dict[str, dict]:
+    """Engine options of each configuration (moved reuse is opt-in: every moved one names its strategy)."""
+    moved = dict(moved_window_rule=window_rule)
+    configs = {"no-cache": dict(cache_bytes=0), "exact": dict(moved_reuse="full"),
+               "none": dict(moved_reuse="none", **moved)}
+    configs.update({f"blend-{r}": dict(moved_reuse="blend", recompute_ratio=r, **moved) for r in ratios})
+    configs["full"] = dict(moved_reuse="blend", recompute_ratio=1.0, **moved)
+    return configs
+
+
+def engines(model, tokenizer, budget: int, ratios=RATIOS, window_rule: bool = True) -> dict[str, Engine]:
+    return {name: Engine(model, tokenizer, **{"cache_bytes": budget, **opts})
+            for name, opts in configurations(ratios, window_rule).items()}
 
 
 def warm_up(engine: Engine, docs: list[str]) -> None:
     for i in range(0, len(docs), 5):
-        engine.chat(messages_for(docs[i:i + 5], "Which organisations are described?"), max_new_tokens=1)
+        request(engine, docs[i:i + 5], "Which organisations are described?", max_new_tokens=1)
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -60,8 +104,8 @@ def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 def ask(engine: Engine, question) -> dict:
-    g, logits = chat_with_first_logits(engine, messages_for(question.documents, question.question),
-                                       max_new_tokens=12, stop=["\n"])
+    g, logits = with_first_logits(engine, lambda: request(engine, question.documents, question.question,
+                                                          max_new_tokens=12, stop=["\n"]))
     return {"text": g.text.strip(), "correct": question.answer.lower() in g.text.lower(), "ttft_s": g.ttft_s,
             "prompt_tokens": g.prompt_tokens, "reused_exact": g.reused_exact, "reused_moved": g.reused_moved,
             "recomputed": g.recomputed, "logits": logits}
@@ -99,11 +143,12 @@ def summarise(name: str, rows: list[dict], reference: list[dict], layers: int) -
     return summary
 
 
-def run(questions: int, budget: int, seed: int = 0, ratios=RATIOS) -> dict:
-    model, tokenizer = load_default()
-    docs, items = build(seed=seed)
+def run(questions: int, budget: int, seed: int = 0, ratios=RATIOS, model_name: str = "default",
+        window_rule: bool = True, pool: int = 50) -> dict:
+    model, tokenizer = load_model(model_name)
+    docs, items = build(seed=seed, organisations=pool)
     items = items[:questions]
-    configs = engines(model, tokenizer, budget, ratios)
+    configs = engines(model, tokenizer, budget, ratios, window_rule)
     for engine in configs.values():
         warm_up(engine, docs)
     results = {name: [] for name in configs}
@@ -117,7 +162,9 @@ def run(questions: int, budget: int, seed: int = 0, ratios=RATIOS) -> dict:
     for rows in results.values():
         for row in rows:
             row.pop("logits")
-    return {"benchmark": "moved_quality", "environment": environment(model), "seed": seed, "ratios": list(ratios), "questions": len(items),
+    return {"benchmark": "moved_quality", "environment": environment(model, model_name), "seed": seed,
+            "ratios": list(ratios), "questions": len(items), "window_rule": window_rule,
+            "prompt_format": "chat" if getattr(tokenizer, "chat_template", None) else "few-shot completion",
             "summary": summaries, "answers": {n: [r["text"] for r in rows] for n, rows in results.items()}}
 
 
@@ -138,28 +185,34 @@ def plot(result: dict, path: Path) -> None:
     right.axhline(1.0, color="gray", linestyle="--", label="no cache")
     right.set(xlabel="recompute ratio", ylabel="TTFT speedup over no cache (median)", title="TTFT vs recompute ratio")
     right.legend()
-    fig.suptitle(f"SmolLM2-135M, {result['questions']} questions, 5 documents each")
+    fig.suptitle(f"{result['environment']['model']}, {result['questions']} questions, 5 documents each")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="default")
+    parser.add_argument("--no-window-rule", action="store_true",
+                        help="move whole spans on sliding-window models (EngineConfig.moved_window_rule=False)")
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--cache-gib", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0,
                         help="QA set seed (0: the acceptance set; others: held-out sets of 200 more questions)")
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)),
                         help="blend recompute ratios to run, comma-separated (default %(default)s)")
-    parser.add_argument("--out", default="benchmarks/results/moved_quality.json")
+    parser.add_argument("--pool", type=int, default=50, help="documents in the QA set (smaller: a quick smoke run)")
+    parser.add_argument("--out", help="default benchmarks/results/moved_quality.json, or moved_quality_<model>.json")
     args = parser.parse_args(argv)
     ratios = tuple(float(r) for r in args.ratios.split(",") if r.strip())
     if not ratios or not all(0 < r < 1 for r in ratios):
         parser.error("--ratios: comma-separated values between 0 and 1 (exclusive)")
-    result = run(args.questions, int(args.cache_gib * 2**30), args.seed, ratios)
+    result = run(args.questions, int(args.cache_gib * 2**30), args.seed, ratios, args.model, not args.no_window_rule,
+                 args.pool)
     for s in result["summary"]:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
-    out = Path(args.out)
+    suffix = "" if args.model == "default" else f"_{args.model}"
+    out = Path(args.out or f"benchmarks/results/moved_quality{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))

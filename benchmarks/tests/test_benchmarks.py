@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.data import coding as coding_data
 from benchmarks.sidebyside import aggregate, report
-from benchmarks.research.moved_quality import paired_gap
+from benchmarks.research.moved_quality import completion_for, configurations, paired_gap
 from benchmarks.sidebyside.workloads import Workload, chat_workload, coding_workload, flat_messages, rag_workload
 
 
@@ -122,3 +122,17 @@ def test_paired_gap_counts_only_discordant_answers():
     assert se == pytest.approx(((0.3 - 0.01) / 10) ** 0.5)
     with pytest.raises(ValueError):
         paired_gap([True], [True, False])
+
+
+def test_moved_quality_configurations_name_their_strategy():
+    configs = configurations((0.15,), window_rule=False)
+    assert configs["blend-0.15"] == dict(moved_reuse="blend", recompute_ratio=0.15, moved_window_rule=False)
+    assert configs["full"]["moved_reuse"] == "blend" and configs["full"]["recompute_ratio"] == 1.0
+    assert configs["exact"] == dict(moved_reuse="full") and configs["no-cache"] == dict(cache_bytes=0)
+
+
+def test_base_model_prompt_is_few_shot_with_documents_as_segments():
+    segments = completion_for(["Doc one.", "Doc two."], "Who?")
+    assert [s["kind"] for s in segments] == ["system", "document", "document", "text"]
+    assert segments[0]["text"].count("\nAnswer: ") == 2 and segments[0]["text"].endswith("\n\n")
+    assert segments[1]["text"] == "Document: Doc one.\n" and segments[-1]["text"] == "Question: Who?\nAnswer:"

@@ -8,7 +8,12 @@ import torch
 
 @dataclass(slots=True, frozen=True)
 class KVGeometry:
-    """Shape of the KV cache of one model: per token, `num_layers x 2 x kv_heads x head_dim`."""
+    """Shape of the KV cache of one model: per token, `num_layers x 2 x kv_heads x head_dim`.
+
+    Sliding-window layers keep every position too (a cached prefix can be continued from any
+    point, and a window layer needs the window before wherever it continues), so every layer has
+    the same shape and bytes per token; the window is applied by the attention mask.
+    """
 
     num_layers: int
     kv_heads: int

@@ -14,10 +14,15 @@ from ..kv.geometry import KVGeometry
 
 @dataclass(slots=True, frozen=True)
 class ArchSpec:
-    """What we rely on for one HF `model_type` (all follow the Llama module layout)."""
+    """What we rely on for one HF `model_type` (all follow the Llama module layout).
+
+    rope_per_layer_type: the rotary module holds one set of frequencies per entry of
+    `config.layer_types` and takes the layer type as an argument (Gemma 3: local and global bases).
+    """
 
     family: str
     notes: str
+    rope_per_layer_type: bool = False
 
 
 # model_type -> spec. Every entry is exercised by tests with a tiny random model.
@@ -27,6 +32,8 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2": ArchSpec("llama", "Qwen2/Qwen2.5; qkv bias; per-layer sliding window"),
     "qwen3": ArchSpec("llama", "Qwen3; q/k RMSNorm per head"),
     "phi3": ArchSpec("llama", "Phi-3/3.5; fused qkv, partial rotary, longrope"),
+    "gemma3_text": ArchSpec("gemma3", "Gemma 3 text: sliding-window and global layers with their own RoPE bases, "
+                            "q/k norms, scaled embeddings, final logit softcap", rope_per_layer_type=True),
 }
 
 
@@ -61,7 +68,22 @@ def check_supported(config) -> ArchSpec:
         raise UnsupportedModelError(
             f"architecture {model_type!r} is not supported by kvboost (supported: {supported})"
         )
+    _check_options(config, model_type)
     return spec
+
+
+def _check_options(config, model_type: str) -> None:
+    """Refuse settings of a supported architecture that our layer loop does not reproduce."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{model_type} with use_bidirectional_attention=True (an embedding model) is not supported: "
+            "kvboost runs causal language models")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # transformers' Gemma 3 attention stores the value but never applies it (nor would our
+        # attention function); refusing is better than silently differing from the reference.
+        raise UnsupportedModelError(
+            f"{model_type} with attn_logit_softcapping={config.attn_logit_softcapping} is not supported: "
+            "kvboost's attention does not apply attention logit soft-capping")
 
 
 class ModelAdapter:
@@ -92,6 +114,10 @@ class ModelAdapter:
         self.geometry = KVGeometry(len(self.layers), kv_heads, head_dim, self.dtype)
         self.context_window = int(config.max_position_embeddings)
         self.layer_windows = tuple(self._window(i) for i in range(len(self.layers)))
+        # which of the rotary's frequency sets each layer uses (None: the rotary has one set)
+        self.layer_rope_kinds = (tuple(config.layer_types) if self.spec.rope_per_layer_type
+                                 else (None,) * len(self.layers))
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     def _window(self, layer_idx: int) -> int | None:
         """Sliding-window size of one layer (None = full attention), as HF's modules define it."""
@@ -108,24 +134,46 @@ class ModelAdapter:
         params = getattr(self.config, "rope_parameters", None) or {}
         return {k: params[k] for k in sorted(params)}
 
-    def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """cos/sin for `positions` [1, N], computed by the model's own rotary module."""
-        return self.rotary(hidden, position_ids=positions)
+    def rope_kinds(self) -> dict:
+        """Per rope kind (None, or a layer type): (inv_freq [rotary_dim / 2], rope settings of that kind),
+        the frequencies the model's own rotary module rotates with."""
+        params = self.rope_settings()
+        out = {}
+        for kind in sorted(set(self.layer_rope_kinds), key=str):
+            if kind is None:
+                inv_freq = getattr(self.rotary, "original_inv_freq", None)
+                out[kind] = (self.rotary.inv_freq if inv_freq is None else inv_freq, params)
+            else:
+                out[kind] = (getattr(self.rotary, f"{kind}_original_inv_freq"), params.get(kind) or {})
+        return out
 
-    def run_layer(self, layer_idx: int, hidden, position_embeddings, positions, step):
+    def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        """cos/sin for `positions` [1, N] per rope kind, computed by the model's own rotary module
+        (one call per kind, not per layer)."""
+        kinds = set(self.layer_rope_kinds)
+        if kinds == {None}:
+            return {None: self.rotary(hidden, position_ids=positions)}
+        return {kind: self.rotary(hidden, positions, kind) for kind in kinds}
+
+    def run_layer(self, layer_idx: int, hidden, position_embeddings: dict, positions, step):
         out = self.layers[layer_idx](
             hidden,
             attention_mask=None,
-            position_embeddings=position_embeddings,
+            position_embeddings=position_embeddings[self.layer_rope_kinds[layer_idx]],
             position_ids=positions,
             kvboost_step=step,
         )
         return out[0] if isinstance(out, tuple) else out
 
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head on the last position only: [1, N, hidden] -> [vocab] fp32."""
-        return self.lm_head(self.norm(hidden[:, -1:, :]))[0, -1].float()
+        """Final norm, lm_head (and final logit soft-capping where the model has it) on the last
+        position only: [1, N, hidden] -> [vocab] fp32."""
+        return self.logits_at(hidden, [hidden.shape[1] - 1])[0]
 
     def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Final norm and lm_head on the given positions only: [1, N, hidden] -> [len(rows), vocab] fp32."""
-        return self.lm_head(self.norm(hidden[:, rows, :]))[0].float()
+        """Final norm, lm_head (and final logit soft-capping where the model has it) on the given
+        positions only: [1, N, hidden] -> [len(rows), vocab] fp32."""
+        logits = self.lm_head(self.norm(hidden[:, rows, :]))[0]
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()

@@ -2,16 +2,28 @@
 
 HF attention modules project, normalise and rotate q/k/v, then call the registered function.
 Ours writes the new K/V into the request's buffer and attends over everything up to the
-current position. Called without our step (someone else using the same model object) it
-falls back to transformers' SDPA, so the model keeps working as a plain HF model.
+current position.
+
+Called without our step (someone else using the same model object: a plain `model(...)` or
+`model.generate`), it behaves exactly like the attention implementation the model had before
+we switched it: the implementation name we set is `kvboost_<original>`, under which the
+original's attention function is called and the original's mask function is registered (with a
+name transformers does not know, it would build no masks at all, and sliding windows would be
+lost on plain calls).
 """
 from __future__ import annotations
+
+import re
+import sys
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 ATTENTION_NAME = "kvboost"
+_SIMPLE_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 class AttentionStep:
@@ -153,10 +165,45 @@ def causal_mask(start: int, end: int, window: int | None, device) -> torch.Tenso
     return explicit_mask(torch.arange(start, end, device=device), end, window)
 
 
+def kvboost_name(original: str | None) -> str:
+    """The implementation name that routes a model to our attention and keeps `original` for plain calls.
+
+    Registers it (with transformers' attention and mask interfaces) on first use. Originals that
+    are not plain registered names (hub kernels) fall back to SDPA for plain calls.
+    """
+    if original is not None and original.startswith(ATTENTION_NAME):
+        return original
+    if original is None or not _SIMPLE_NAME.match(original) or (
+            original != "eager" and original not in ALL_ATTENTION_FUNCTIONS):
+        original = "sdpa"
+    name = f"{ATTENTION_NAME}_{original}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, kvboost_attention)
+    if original in ALL_MASK_ATTENTION_FUNCTIONS and name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    return name
+
+
+def original_attention(name: str) -> str:
+    """The implementation a model had before `kvboost_name` switched it (plain calls use it)."""
+    original = name.removeprefix(ATTENTION_NAME).removeprefix("_")
+    return original or "sdpa"
+
+
+def plain_attention(module, query, key, value, attention_mask, **kwargs):
+    """A call without our step: exactly what the model's original implementation does."""
+    original = original_attention(module.config._attn_implementation)
+    if original != "eager" and original in ALL_ATTENTION_FUNCTIONS:
+        function = ALL_ATTENTION_FUNCTIONS[original]
+    else:                                   # the modeling file's own eager function (softcap etc.)
+        function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
+    return function(module, query, key, value, attention_mask, **kwargs)
+
+
 def kvboost_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     step = kwargs.pop("kvboost_step", None)
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return plain_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if query.device != step.device:         # KV pages elsewhere (kv_device="cpu"): attend there
         out = step.attend(module.layer_idx, query.to(step.device), key.to(step.device), value.to(step.device),
                           scaling)
@@ -165,3 +212,4 @@ def kvboost_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 AttentionInterface.register(ATTENTION_NAME, kvboost_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

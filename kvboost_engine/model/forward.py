@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from .arch import ModelAdapter
-from .attention import ATTENTION_NAME, AttentionStep, BatchStep, ProbeStep, ScatterStep
+from .attention import AttentionStep, BatchStep, ProbeStep, ScatterStep, kvboost_name
 
 
 class TokenSelector(Protocol):
@@ -22,13 +22,15 @@ class TokenSelector(Protocol):
 
 
 def use_kvboost_attention(model: torch.nn.Module) -> None:
-    """Route the model's attention modules to our function (plain HF calls still fall back to SDPA)."""
+    """Route the model's attention modules to our function (plain HF calls keep behaving exactly as
+    with the model's original attention implementation, masks included)."""
+    name = kvboost_name(model.config._attn_implementation)
     try:
-        model.set_attn_implementation(ATTENTION_NAME)
-    except (AttributeError, ValueError, KeyError):
-        model.config._attn_implementation = ATTENTION_NAME
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.config._attn_implementation = ATTENTION_NAME
+        model.set_attn_implementation(name)
+    except (AttributeError, ValueError, KeyError, ImportError):
+        model.config._attn_implementation = name
+    if model.config._attn_implementation != name:
+        model.config._attn_implementation = name
 
 
 class Forward:
@@ -62,15 +64,16 @@ class Forward:
         ids = torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None]   # [1, A]
         hidden = a.embed(ids)                                                                # [1, A, hidden]
         masks: dict = {}
+        rope = a.position_embeddings(hidden, positions[None])          # recomputed only when narrowed
         for layer_idx in range(len(a.layers)):
             measure = selector is not None and layer_idx == selector.layer
             step = ScatterStep(kv, positions, end, a.layer_windows, measure, masks)
-            rope = a.position_embeddings(hidden, positions[None])
             hidden = a.run_layer(layer_idx, hidden, rope, positions[None], step)
             if measure:
                 keep = selector.keep(step.deviation).to(a.device)
                 hidden, positions = hidden[:, keep], positions[keep]
                 masks = {}
+                rope = a.position_embeddings(hidden, positions[None])
         return a.logits_last(hidden)
 
     @torch.inference_mode()

@@ -194,7 +194,32 @@ def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, 
     if parts.config.moved_reuse == "full" or not parts.mover.can_move(max_position):
         return []
     n = len(prompt)
-    return parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len, n - 1)
+    spans = parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len, n - 1)
+    if not parts.config.moved_window_rule:
+        return spans
+    return window_rule(spans, parts.adapter.layer_windows, parts.cache)
+
+
+def window_rule(spans: list[KVSpan], layer_windows: tuple, cache: ChunkCache) -> list[KVSpan]:
+    """On models with sliding-window layers, only the part of a moved span beyond its first W - 1
+    tokens is moved (W: the largest window).
+
+    In a window layer the query at span offset i sees keys from offset i - W + 1 on: for i < W - 1
+    that reaches into the content before the span, which differs from what preceded it where it
+    was cached; those tokens are computed as new tokens (not reused), for every strategy. From
+    offset W - 1 on, a window layer sees only span tokens. Spans no longer than W - 1 are not moved.
+    """
+    guard = max((w for w in layer_windows if w), default=1) - 1
+    if guard <= 0:
+        return spans
+    kept = []
+    for span in spans:
+        if span.length <= guard:
+            cache.release(span.table)
+            continue
+        span.start, span.source_start, span.length = span.start + guard, span.source_start + guard, span.length - guard
+        kept.append(span)
+    return kept
 
 
 def _load_moved(parts: PrefillParts, sequence, span: KVSpan) -> None:

@@ -28,8 +28,8 @@ class KVBoostSettings(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
 
     model: str | None = None
-    """Path to an HF model directory or .gguf file, a hub id, or None for the default model
-    (SmolLM2-135M-Instruct, shipped offline)."""
+    """A named model ("gemma3-270m", a base model: use `KVBoostLLM`), a path to an HF model directory
+    or .gguf file, a hub id, or None for the default model (SmolLM2-135M-Instruct, shipped offline)."""
     engine: Engine | RemoteEngine | None = Field(default=None, exclude=True)
     """An existing engine to use instead of `model` (its cache is shared with other users)."""
     endpoint: str | list[str] | None = None

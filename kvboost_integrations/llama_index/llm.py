@@ -50,7 +50,7 @@ class KVBoost(LLM):
     TokenCountingHandler) and `kvboost` (reused tokens by kind, recomputed tokens, TTFT).
     """
 
-    model: Optional[str] = Field(default=None, description="HF directory, .gguf file or hub id; None: the default model.")
+    model: Optional[str] = Field(default=None, description="A named model (gemma3-270m), HF directory, .gguf file or hub id; None: the default model.")
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens to generate per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
