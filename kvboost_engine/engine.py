@@ -17,6 +17,7 @@ from .model.arch import ModelAdapter
 from .model.fingerprint import model_fingerprint
 from .model.forward import Forward
 from .model.rope import RopeMover
+from .weights.quantized import check_weights_format
 from .request.decode import EngineParts, check_window, prefill_prompt, run_request, store
 from .request.generation import Generation, GenerationStream
 from .request.ordering import order_documents
@@ -74,7 +75,7 @@ class Engine:
                         cache_bytes: int = DEFAULT_CACHE_BYTES, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                         resident_layers: int | None = None, resident_bytes: int | None = None,
                         stream_from: str | None = None, staging_slots: int | None = None,
-                        awq_kernel: str | None = None, **options) -> "Engine":
+                        awq_kernel: str | None = None, weights: str | None = None, **options) -> "Engine":
         """Load a model: None (the embedded SmolLM2-135M-Instruct), an HF directory, a .gguf file or a hub id.
 
         An AWQ checkpoint directory (AutoAWQ GEMM layout) is recognised by its quantization_config.
@@ -84,14 +85,21 @@ class Engine:
         included). `stream_from`: "disk" (default; a pack file under the kvboost cache dir) or
         "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
         `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
+
+        `weights` picks a fast CPU weight format for a float model: None or "fp32" (default: the
+        weights as stored, exact), "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head).
+        The linear layers are converted on the first load and cached on disk (under the kvboost
+        cache dir, keyed by the model fingerprint); later loads read the converted file.
+        Quantized formats change the numbers (the README gives their measured perplexity).
         """
         config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, device)
+        check_weights_format(weights, dtype, device)            # a bad value fails before any loading
         source = resolve_model_dir(model)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
-            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel)
+            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel, weights=weights)
         name = "SmolLM2-135M-Instruct" if model is None else os.fspath(model)
         engine = cls(hf_model, tokenizer, config=config, model_name=name)
         engine._owns_model = True
