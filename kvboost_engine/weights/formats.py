@@ -92,22 +92,40 @@ class _FormatLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.exact_top = 0          # > 0 on an output head: recompute each row's top outputs in float32
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(ACT_DTYPE)                  # [M, K]
+        flat = x.reshape(-1, self.in_features)                                # [M, K]
+        rows = flat.to(ACT_DTYPE)
         if rows.shape[0] >= self.dense_from_rows:
             out = self.dense_matmul(rows)
         else:
             out = self.matmul(rows)                                           # [M, N] bf16
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        out = out.to(x.dtype)
+        if self.exact_top:
+            out = self._refine_top(flat, out)
+        out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
+
+    def _refine_top(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A bf16 logit has 8 bits of mantissa (steps of 0.125 near 25): close candidates tie or
+        swap. The top `exact_top` outputs per row are recomputed from the float activations and
+        the float value of the stored weights, so greedy choices see exact dot products."""
+        top = out.float().topk(self.exact_top, dim=-1).indices                 # [M, T]
+        weights = self.float_rows(top.reshape(-1)).view(*top.shape, self.in_features)   # [M, T, K]
+        exact = torch.einsum("mk,mtk->mt", flat.float(), weights)
+        return out.float().scatter(1, top, exact).to(out.dtype)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return self.matmul(rows)
+
+    def float_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Weight rows `index` [T] as float32 [T, K] (for `exact_top`)."""
+        raise NotImplementedError
 
     def converted(self) -> dict[str, torch.Tensor]:
         """The converted weight tensors (what the on-disk cache stores), by name."""
@@ -127,6 +145,9 @@ class Bf16Linear(_FormatLinear):
     def matmul(self, rows):
         return F.linear(rows, self.weight)
 
+    def float_rows(self, index):
+        return self.weight[index].float()
+
 
 class Int8Linear(_FormatLinear):
     """nn.Linear with an int8 weight [N, K] and a bf16 scale per output channel."""
@@ -144,6 +165,9 @@ class Int8Linear(_FormatLinear):
     def dense_matmul(self, rows):
         # the per-channel scale commutes with the matmul: one cast of the codes, one dense GEMM
         return F.linear(rows, self.qweight.to(ACT_DTYPE)) * self.scales
+
+    def float_rows(self, index):
+        return self.qweight[index].float() * self.scales[index].float()[:, None]
 
 
 class Int4Linear(_FormatLinear):
@@ -171,8 +195,8 @@ class Int4Linear(_FormatLinear):
         """The weight as bf16 [N, K] (what the kernel computes with, rounded to bf16)."""
         n, k, g = self.out_features, self.in_features, self.group
         codes = unpack_int4(self.packed, n, k, self.block).view(n, k // g, g)
-        scale = self.scale_zeros[..., 0].T.float()[..., None]                   # [N, K/g, 1]
-        offset = self.scale_zeros[..., 1].T.float()[..., None] - 8 * scale
+        scale = self.scale_zeros[..., 0].T.float().contiguous()[..., None]      # [N, K/g, 1]
+        offset = self.scale_zeros[..., 1].T.float().contiguous()[..., None] - 8 * scale
         return torch.addcmul(offset, codes.float(), scale).view(n, k).to(ACT_DTYPE)
 
     def extra_repr(self) -> str:

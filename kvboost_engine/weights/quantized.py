@@ -35,6 +35,7 @@ from .memory import release_free_memory
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 HEAD, EMBEDDING = "lm_head", "model.embed_tokens"
+EXACT_TOP = 8                   # head outputs per position recomputed in float32 (formats.py)
 CACHE_FORMAT = "kvboost-weights-1"
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def _install(model: nn.Module, targets: dict[str, nn.Module], stored: dict) -> N
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, _module(stored[name], module.bias))
+    model.lm_head.exact_top = EXACT_TOP
     rows = stored.get(EMBEDDING, stored[HEAD])                  # a tied embedding shares the head's tensors
     weight, scales = rows.get("weight", rows.get("qweight")), rows.get("scales")
     model.model.embed_tokens = FormatEmbedding(weight, scales, dtype, padding_idx)
@@ -166,7 +168,9 @@ def _read_cache(path: Path, targets: dict[str, nn.Module], fmt: str) -> dict | N
         if not _fits(tensors, module, _format_of(name, fmt)):
             log.warning("converted-weights file %s does not match the model at %s: converting again", path, name)
             return None
-        stored[name] = tensors
+        # fresh (aligned) memory: file-backed tensors sit at any byte offset, and the int8 kernel
+        # crashes on a misaligned weight (torch 2.13)
+        stored[name] = {key: value.clone() for key, value in tensors.items()}
     return stored
 
 
