@@ -145,3 +145,24 @@ def test_default_model_greedy_reply_matches_fp32(smol, fmt):
     difference = (engine.next_token_logits(messages=QUESTION) - want_logits).abs().max().item()
     print(f"{fmt}: largest first-token logit difference {difference:.3f}")
     assert difference < LOGIT_TOLERANCE[fmt]
+
+
+def test_batched_generation_with_int8_equals_serial():
+    """Requests running together share forwards (Forward.batch): the int8 layers then see several
+    rows at once, and the replies must still be the ones each request gets alone."""
+    import threading
+    engine = Engine.from_pretrained(weights="int8", cache_bytes=0)
+    prompts = [[{"role": "user", "content": f"Write a short sentence about the number {n}."}] for n in (3, 7, 11, 42)]
+    serial = [engine.chat(p, max_new_tokens=12).token_ids for p in prompts]
+    batched = [None] * len(prompts)
+
+    def work(i):
+        batched[i] = engine.chat(prompts[i], max_new_tokens=12).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert batched == serial
+    assert engine.stats()["weights_format"] == "int8"
