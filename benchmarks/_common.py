@@ -42,6 +42,8 @@ def environment(model, name: str = "default") -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.date.today().isoformat(),
         "load_average": os.getloadavg()[0], "cpu_model": _cpu_model(),
+        # spinning OpenMP threads slow 2-thread runs 10-100x on a busy machine: PASSIVE for timings
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
     }
 
 

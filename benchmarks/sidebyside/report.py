@@ -19,6 +19,15 @@ MIB = 1024**2
 PLOTS = ("ttft_vs_turn", "hit_rate_vs_turn", "ttft_vs_docs", "coding_ttft")
 
 
+def _llamacpp_note(result: dict) -> str:
+    if not any(s.startswith("llamacpp") for s in result["systems"]):
+        return ""
+    return ("llama.cpp rows run the Q4_1 GGUF the fp32 model was dequantized from (integer kernels: replies can "
+            "differ by rounding), with llama-cpp-python's RAM prompt cache; their \"reused\" is the prefix "
+            f"llama-cpp-python itself skips (live context or cache entry); OMP_WAIT_POLICY "
+            f"{result['environment'].get('omp_wait_policy', 'unset')}. ")
+
+
 def _suffix(result) -> str:
     return "-quick" if result["mode"] == "quick" else ""
 
@@ -122,6 +131,7 @@ def markdown(result, image_dir: str = "benchmarks/results") -> str:
            f"{env['load_average_end']:.1f} at end; {st['repeats']} repeat(s) after a warm-up; greedy decoding. "
            f"Times are medians over repeats, with the min–max over repeats in brackets; "
            f"\"same reply\" is the share of requests whose text equals plain transformers' reply. "
+           f"{_llamacpp_note(result)}"
            f"Whole run: {env['wall_s'] / 60:.0f} min.", ""]
     for workload in result["workloads"]:
         out += [f"#### {workload['title']}: {_prompt_sizes(result, workload)}, at most "

@@ -286,9 +286,11 @@ class OursLlamaIndex(OursEngine):
                      t["reused_moved"])
 
 
+from .llamacpp import LlamaCppLangChain, LlamaCppLlamaIndex  # noqa: E402 - its classes extend System above
+
 SYSTEMS = {cls.id: cls for cls in (Transformers, LangChainHuggingFace, LlamaIndexHuggingFace, KVBoostPyPI,
-                                   OursEngine, OursEngineFlat, OursEngineBlend, OursEngineCacheOrder, OursLangChain,
-                                   OursLlamaIndex)}
+                                   LlamaCppLangChain, LlamaCppLlamaIndex, OursEngine, OursEngineFlat, OursEngineBlend,
+                                   OursEngineCacheOrder, OursLangChain, OursLlamaIndex)}
 
 
 def build(system_id: str, model, tokenizer, baseline_attention: str) -> System:

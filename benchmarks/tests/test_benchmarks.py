@@ -136,3 +136,18 @@ def test_base_model_prompt_is_few_shot_with_documents_as_segments():
     assert [s["kind"] for s in segments] == ["system", "document", "document", "text"]
     assert segments[0]["text"].count("\nAnswer: ") == 2 and segments[0]["text"].endswith("\n\n")
     assert segments[1]["text"] == "Document: Doc one.\n" and segments[-1]["text"] == "Question: Who?\nAnswer:"
+
+
+def test_weights_table_states_deltas_failures_and_the_bound():
+    from benchmarks.micro.weights import table
+    rows = [{"format": "fp32", "decode_tok_s": 20.0, "prefill_tok_s": 300.0, "ttft_s": 0.2, "ppl_1k": 10.0,
+             "ppl_2k": 9.0, "weights_bytes": 538e6, "peak_rss_bytes": 1e9},
+            {"format": "int4", "decode_tok_s": 50.0, "prefill_tok_s": 250.0, "ttft_s": 0.1, "ppl_1k": 10.1,
+             "ppl_2k": 9.0, "weights_bytes": 95e6, "peak_rss_bytes": 6e8},
+            {"format": "llama.cpp Q4_1", "decode_tok_s": 60.0, "peak_rss_bytes": 5e8},
+            {"format": "bf16", "status": "failed: boom"}]
+    bound = {"decode_bytes": 538e6, "bytes_per_s": 5e9, "bound_s": 0.1076, "step_s": 0.05, "ratio": 2.152}
+    text = table({"rows": rows, "fp32_bound": bound})
+    assert "| int4 | 50.0 | 250.0 | 100 | 10.100 (+1.00%) | 9.000 (+0.00%) | 95 | 600 |" in text
+    assert "| llama.cpp Q4_1 | 60.0 | - | - | - | - | - | 500 |" in text
+    assert "failed: boom" in text and "215% of the bound" in text

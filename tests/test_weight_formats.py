@@ -1,0 +1,168 @@
+"""weights=: the bf16/int8/int4 CPU formats (kernels, conversion cache, closeness to fp32, errors)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvboost_engine import Engine, InputError
+from kvboost_engine.loading import default_model_dir, load_model_and_tokenizer
+from kvboost_engine.weights import quantized
+from kvboost_engine.weights.formats import (Bf16Linear, FormatEmbedding, Int4Linear, Int8Linear, pack_int4,
+                                            quantize_int4_groups, quantize_int8_rows, unpack_int4)
+from kvboost_integrations._options import engine_options
+from tiny_models import tiny_model
+
+CPU = torch.device("cpu")
+FORMATS = ("bf16", "int8", "int4")
+# The default model's greedy reply to QUESTION ("The sky on a clear day is often described as a
+# deep, rich shade of") is the same in every format for at least its first MATCH_TOKENS tokens
+# (measured: bf16 16, int8 14, int4 16 of 16), and its first-token logits stay within
+# LOGIT_TOLERANCE of fp32's (largest absolute difference over the vocabulary; logits span ~30).
+QUESTION = [{"role": "user", "content": "What color is the sky on a clear day?"}]
+MATCH_TOKENS = 10
+LOGIT_TOLERANCE = {"bf16": 0.75, "int8": 2.0, "int4": 2.0}
+
+
+def linear_of(fmt: str, weight: torch.Tensor, bias=None):
+    if fmt == "bf16":
+        return Bf16Linear(weight, bias)
+    if fmt == "int8":
+        return Int8Linear(*quantize_int8_rows(weight), bias)
+    codes, scale_zeros = quantize_int4_groups(weight)
+    packed, block = pack_int4(codes)
+    return Int4Linear(packed, scale_zeros, 32, block, bias)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_linear_tracks_float_in_both_paths(fmt):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(128, 96, generator=gen) * 0.05, torch.randn(128, generator=gen)
+    module = linear_of(fmt, weight, bias)
+    for rows in (1, 3, module.dense_from_rows if module.dense_from_rows < 1 << 40 else 200):
+        x = torch.randn(2, rows, 96, generator=gen)
+        want, got = F.linear(x, weight, bias), module(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        error = (got - want).norm() / want.norm()
+        assert error < {"bf16": 0.01, "int8": 0.02, "int4": 0.1}[fmt], (rows, error)
+
+
+def test_int4_dense_path_equals_kernel_up_to_bf16():
+    gen = torch.Generator().manual_seed(1)
+    module = linear_of("int4", torch.randn(192, 64, generator=gen))
+    assert module.block, "this PyTorch's int4 pack layout is not the one unpack_int4 reads"
+    x = torch.randn(80, 64, generator=gen).bfloat16()
+    kernel, dense = module.matmul(x).float(), module.dense_matmul(x).float()
+    assert ((kernel - dense).norm() / kernel.norm()) < 0.01
+
+
+def test_int4_pack_roundtrip():
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    packed, block = pack_int4(codes)
+    assert block in (64, 32)
+    assert torch.equal(unpack_int4(packed, 128, 64, block), codes.to(torch.uint8))
+
+
+def test_int8_embedding_rows():
+    weight = torch.randn(50, 16)
+    codes, scales = quantize_int8_rows(weight)
+    embedding = FormatEmbedding(codes, scales, torch.float32)
+    ids = torch.tensor([[0, 7, 49]])
+    assert torch.allclose(embedding(ids), weight[ids], atol=0.02 * weight.abs().max().item())
+
+
+def test_bad_weights_values_are_input_errors():
+    with pytest.raises(InputError, match="weights must be one of"):
+        Engine.from_pretrained(weights="int3")
+    with pytest.raises(InputError, match="float32"):
+        Engine.from_pretrained(weights="fp32", dtype="bf16")
+    with pytest.raises(InputError, match="CPU format"):
+        Engine.from_pretrained(weights="int8", device="cuda")
+
+
+def test_framework_classes_accept_weights_in_engine_kwargs():
+    assert engine_options({"weights": "int4"}) == {"weights": "int4"}
+    with pytest.raises(InputError, match="weights"):
+        engine_options({"weight": "int4"})
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, monkeypatch):
+    """A tiny untied Llama saved with the default tokenizer; converted weights go to a fresh cache dir."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    path = tmp_path / "tiny"
+    tiny_model("llama", seed=3).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    return path
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_second_load_reuses_the_converted_file(tiny_dir, monkeypatch, fmt):
+    ids = torch.tensor([[5, 900, 17, 3000, 42]])
+    first, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights=fmt)
+    info = first.kvboost_weights
+    assert not info.weights_from_cache and info.weights_format == fmt
+    stamp = __import__("os").stat(info.weights_cache_file).st_mtime_ns
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again")
+    monkeypatch.setattr(quantized, "_convert", no_conversion)
+    second, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights=fmt)
+    assert second.kvboost_weights.weights_from_cache
+    assert second.kvboost_weights.weights_cache_file == info.weights_cache_file
+    assert __import__("os").stat(info.weights_cache_file).st_mtime_ns == stamp
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, second(ids).logits)
+
+
+def test_formats_have_their_own_files_and_fingerprints(tiny_dir):
+    engines = {fmt: Engine.from_pretrained(tiny_dir, weights=fmt, cache_bytes=0) for fmt in ("bf16", "int8")}
+    assert engines["bf16"].stats()["weights_cache_file"] != engines["int8"].stats()["weights_cache_file"]
+    assert engines["bf16"].fingerprint != engines["int8"].fingerprint
+    assert engines["int8"].stats()["weights_bytes"] < engines["bf16"].stats()["weights_bytes"]
+
+
+def test_a_changed_cache_file_is_converted_again(tiny_dir):
+    first, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int8")
+    path = first.kvboost_weights.weights_cache_file
+    with open(path, "r+b") as handle:
+        handle.write(b"garbage!")
+    again, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int8")
+    assert not again.kvboost_weights.weights_from_cache
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_model_greedy_reply_matches_fp32(smol, fmt):
+    model, tokenizer = smol
+    reference = Engine(model, tokenizer, cache_bytes=0)
+    want = reference.chat(QUESTION, max_new_tokens=MATCH_TOKENS)
+    want_logits = reference.next_token_logits(messages=QUESTION)
+    engine = Engine.from_pretrained(weights=fmt, cache_bytes=0)
+    got = engine.chat(QUESTION, max_new_tokens=MATCH_TOKENS)
+    assert got.token_ids == want.token_ids, (got.text, want.text)
+    difference = (engine.next_token_logits(messages=QUESTION) - want_logits).abs().max().item()
+    print(f"{fmt}: largest first-token logit difference {difference:.3f}")
+    assert difference < LOGIT_TOLERANCE[fmt]
+
+
+def test_batched_generation_with_int8_equals_serial():
+    """Requests running together share forwards (Forward.batch): the int8 layers then see several
+    rows at once, and the replies must still be the ones each request gets alone."""
+    import threading
+    engine = Engine.from_pretrained(weights="int8", cache_bytes=0)
+    prompts = [[{"role": "user", "content": f"Write a short sentence about the number {n}."}] for n in (3, 7, 11, 42)]
+    serial = [engine.chat(p, max_new_tokens=12).token_ids for p in prompts]
+    batched = [None] * len(prompts)
+
+    def work(i):
+        batched[i] = engine.chat(prompts[i], max_new_tokens=12).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert batched == serial
+    assert engine.stats()["weights_format"] == "int8"
