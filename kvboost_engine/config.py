@@ -47,6 +47,12 @@ class EngineConfig:
         (pinned when the model is on CUDA) and attention runs there, while the weights stay on
         the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
         does not fit on the GPU. Implies paged KV.
+    max_running: most requests decoding or prefilling at once in the engine's batch (continuous
+        batching: every step is one forward over all of them).
+    max_batch_tokens: most tokens one batch step computes (decode tokens plus prompt chunks);
+        None: prefill_chunk_tokens. Bounds how long a long prompt holds the others' decoding.
+    max_waiting, queue_timeout_s: requests waiting for KV room (beyond that, or after waiting that
+        long, a request gets a BudgetError; one that cannot fit the pool even alone is refused at once).
     disk_kv_int8: store chunks on disk as int8 (per-channel keys, per-token values): about a
         quarter of fp32 on disk and to read; chunks read back are approximations (inexact).
     """
@@ -67,6 +73,10 @@ class EngineConfig:
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     disk_kv_int8: bool = False
     kv_device: str | None = None
+    max_running: int = 16
+    max_batch_tokens: int | None = None
+    max_waiting: int = 1024
+    queue_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
@@ -93,5 +103,15 @@ class EngineConfig:
             raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
         if self.kv_device == "cpu" and self.paged is False:
             raise InputError("kv_device='cpu' keeps KV in CPU pages: it needs paged KV (paged=None or True)")
+        if isinstance(self.max_running, bool) or not isinstance(self.max_running, int) or self.max_running < 1:
+            raise InputError(f"max_running must be an int >= 1, got {self.max_running!r}")
+        if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool) or not isinstance(
+                self.max_batch_tokens, int) or self.max_batch_tokens < self.max_running):
+            raise InputError(f"max_batch_tokens must be None or an int >= max_running ({self.max_running}), "
+                             f"got {self.max_batch_tokens!r}")
+        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
+            raise InputError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
+        if not isinstance(self.queue_timeout_s, (int, float)) or not 0 <= self.queue_timeout_s < float("inf"):
+            raise InputError(f"queue_timeout_s must be a finite number >= 0, got {self.queue_timeout_s!r}")
         if self.disk_cache_bytes < 0:
             raise InputError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes!r}")

@@ -5,6 +5,7 @@ import atexit
 import dataclasses
 import os
 import threading
+import time
 
 import torch
 
@@ -17,10 +18,11 @@ from .model.arch import ModelAdapter
 from .model.fingerprint import model_fingerprint
 from .model.forward import Forward
 from .model.rope import RopeMover
-from .request.decode import EngineParts, check_window, prefill_prompt, run_request, store
+from .request.decode import Channel, EngineParts, Request, check_window, store
 from .request.generation import Generation, GenerationStream
 from .request.ordering import order_documents
-from .request.prefill import PrefillParts
+from .request.prefill import PrefillParts, prefill
+from .request.scheduler import Scheduler
 from .request.prompt import ChatRenderer, segments_from_prompt
 from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
@@ -64,6 +66,10 @@ class Engine:
         prefill_parts = PrefillParts(adapter, runner, self.cache, RopeMover(adapter), self.config)
         self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),
                                   self.instruments)
+        c = self.config
+        self._scheduler = Scheduler(self._parts, max_running=c.max_running, max_waiting=c.max_waiting,
+                                    max_batch_tokens=c.max_batch_tokens or c.prefill_chunk_tokens,
+                                    queue_timeout_s=c.queue_timeout_s)
         self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
         self._counter_lock = threading.Lock()
         self._owns_model = False
@@ -122,9 +128,9 @@ class Engine:
         constraint = params.pop("constraint", None)
         sampling = SamplingParams.build(**params)
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
-        cancel = threading.Event()
-        run = run_request(self._parts, prompt, sampling, cancel, self._count, constraint)
-        return GenerationStream(run, cancel)
+        request = Request(prompt, sampling, threading.Event(), Channel(), self._count, constraint, time.perf_counter())
+        self._scheduler.submit(request)
+        return GenerationStream(request.channel.events(), request.cancel)
 
     def _count(self, gen: Generation) -> None:
         """Request counters, for every request however it ended."""
@@ -147,12 +153,16 @@ class Engine:
         else:
             tokenized = self.encode_messages(messages, **(template_kwargs or {}))
         check_window(self._parts, len(tokenized), 1)
-        done = prefill_prompt(self._parts, tokenized, 0)
+        return self._scheduler.call(lambda: self._prefill_and_store(tokenized)).logits
+
+    def _prefill_and_store(self, prompt: TokenizedPrompt, pin: bool = False):
+        """Prefill `prompt` and store its KV (on the scheduler thread); returns the Prefilled."""
+        done = prefill(self._parts.prefill, prompt, 0)
         try:
-            store(self._parts, tokenized, done.sequence, len(tokenized), done.exact_upto)
+            store(self._parts, prompt, done.sequence, len(prompt), done.exact_upto, pin=pin)
         finally:
             done.sequence.release()
-        return done.logits
+        return done
 
     @property
     def context_window(self) -> int:
@@ -193,11 +203,7 @@ class Engine:
         check_window(self._parts, n, 0)
         if pin:
             self.cache.check_pin_budget(n)              # refuse before computing anything
-        done = prefill_prompt(self._parts, prompt, 0)
-        try:
-            store(self._parts, prompt, done.sequence, n, done.exact_upto, pin=pin)
-        finally:
-            done.sequence.release()
+        self._scheduler.call(lambda: self._prefill_and_store(prompt, pin))
         match = self.cache.match(prompt.token_ids, n)
         self.cache.release(match.table)
         return match.length
@@ -244,6 +250,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._scheduler.close()
         if self.disk is not None:
             self.disk.close()
             atexit.unregister(self._exit_flush)

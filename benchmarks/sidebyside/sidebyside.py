@@ -35,7 +35,7 @@ from .workloads import Workload, chat_workload, coding_workload, rag_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_SYSTEMS = ("transformers", "langchain-huggingface", "llama-index-llms-huggingface", "kvboost-pypi", "ours-engine",
-                "ours-engine-flat", "ours-langchain", "ours-llama-index")
+                "ours-engine-flat", "ours-engine-cache-order", "ours-engine-blend", "ours-langchain", "ours-llama-index")
 MODES = {
     "quick": dict(turns=3, chat_tokens=8, doc_counts=(1, 3), rag_questions=3, rag_tokens=8, coding_steps=6,
                   coding_tokens=8, repeats=1, memory_workloads=("chat",)),

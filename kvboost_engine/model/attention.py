@@ -8,7 +8,6 @@ falls back to transformers' SDPA, so the model keeps working as a plain HF model
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -44,9 +43,26 @@ class AttentionStep:
         if window not in self._explicit:
             mask = self.masks[window]
             if mask is None and self.end - self.start > 1:
-                mask = explicit_mask(torch.arange(self.start, self.end, device=_device(self.kv)), self.end, window)
+                mask = explicit_mask(torch.arange(self.start, self.end, device=self.device), self.end, window)
             self._explicit[window] = mask
         return self._explicit[window]
+
+
+class BatchStep:
+    """One forward over the new tokens of several sequences packed along the token axis: each
+    sequence's rows write its own KV and attend over its own KV only (its AttentionStep)."""
+
+    __slots__ = ("steps", "rows", "device")
+
+    def __init__(self, steps: list[AttentionStep], rows: list[tuple[int, int]]):
+        self.steps = steps
+        self.rows = rows                                # [lo, hi) of each sequence's tokens
+        self.device = steps[0].device
+
+    def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
+        # query [1, H, T, D]; keys/values [1, Hkv, T, D] -> output [1, T, H, D]
+        return torch.cat([step.attend(layer, query[:, :, lo:hi], keys[:, :, lo:hi], values[:, :, lo:hi], scaling)
+                          for step, (lo, hi) in zip(self.steps, self.rows)], dim=1)
 
 
 class ScatterStep:

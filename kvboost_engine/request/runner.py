@@ -45,3 +45,15 @@ class ModelRunner:
                 self.instruments.emit(ForwardEvent("probe", len(positions), int(positions[0]),
                                                    time.perf_counter() - began))
             return mass
+
+    def batch(self, items: list[tuple], want_logits: list[bool]) -> list:
+        """One forward over several sequences' new tokens (see Forward.batch)."""
+        with self.lock:
+            began = time.perf_counter()
+            logits = self.forward_pass.batch(items, want_logits)
+            if self.instruments.active:
+                tokens = sum(len(ids) for _, ids, _ in items)
+                kind = "batch" if len(items) > 1 else ("decode" if tokens == 1 else "prefill")
+                self.instruments.emit(ForwardEvent(kind, tokens, items[0][2] if len(items) == 1 else -1,
+                                                   time.perf_counter() - began, len(items)))
+            return logits
