@@ -214,6 +214,7 @@ def test_hub_errors_come_from_huggingface_hub(monkeypatch, tmp_path):
     from huggingface_hub import constants
     index = FakeIndex(b"")                       # answers 404 to every hub API call
     try:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)      # huggingface_hub 0.x also reads the variable
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
         monkeypatch.setattr(constants, "ENDPOINT", index.url.removesuffix("/simple"))
