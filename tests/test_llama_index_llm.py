@@ -232,3 +232,9 @@ def test_same_settings_share_one_engine(monkeypatch, smol):
     assert built == [{"cache_bytes": 2**20}, {"cache_bytes": 2**21}]
     assert KVBoost(cache_bytes=2**20).to_payload()["class_name"] == "KVBoost"    # payload never loads
     assert len(built) == 2
+
+
+def test_the_hf_wrappers_argument_names_are_refused_with_a_hint():
+    """`model_name` is what HuggingFaceLLM takes: an error naming `model`, not a silently loaded default."""
+    with pytest.raises(ValueError, match=r"unexpected argument 'model_name'; did you mean 'model'\?.*Accepted:.*engine_kwargs"):
+        KVBoost(model_name="x")

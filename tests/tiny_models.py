@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kvboost_engine.model import compat
+
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, vocab_size=49152, tie_word_embeddings=False)
 
@@ -31,7 +33,7 @@ _ZERO_INIT_NORMS = ("gemma3_text",)
 def tiny_model(model_type: str, seed: int = 0, **overrides):
     """A randomly initialised fp32 model of `model_type` with a 49152-token vocabulary."""
     settings = {**BASE, **ARCH_CONFIGS.get(model_type, {}), **overrides}
-    config = AutoConfig.for_model(model_type, **settings)
+    config = AutoConfig.for_model(model_type, **compat.config_settings(settings, model_type))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if model_type in _ZERO_INIT_NORMS:

@@ -7,9 +7,9 @@ Workloads (benchmarks.workloads): multi-turn chat replay, RAG with shuffled retr
 coding assistant with a long system prompt and project files. Every system is built from the
 same fp32 model object and tokenizer (SmolLM2-135M-Instruct, CPU), greedy decoding, the same
 prompts and max_new_tokens; timing runs in this process with systems interleaved, medians over
-repeats, warm-up excluded. langchain-huggingface 1.2.3 needs huggingface-hub<2 (our pins: 2.x),
-so it runs in its own venv (.venv-langchain-hf) as a worker process with the same prompts and
-its own plain-transformers baseline. Peak RSS: each system alone in a fresh process.
+repeats, warm-up excluded. All systems share one venv (huggingface-hub 1.33 satisfies both
+transformers and langchain-huggingface) and run in this process. Peak RSS: each system alone in a
+fresh process.
 
 Writes benchmarks/results/sidebyside[-quick].{json,md} and PNG plots; --readme rewrites the
 README's results section (python -m benchmarks.sidebyside.report does the same from an existing JSON).
@@ -34,21 +34,15 @@ from .systems import SYSTEMS, Transformers, build, set_attention, version
 from .workloads import Workload, chat_workload, coding_workload, rag_workload
 
 ROOT = Path(__file__).resolve().parent.parent
-MAIN_SYSTEMS = ("transformers", "llama-index-llms-huggingface", "kvboost-pypi", "llamacpp-langchain",
-                "llamacpp-llama-index", "ours-engine", "ours-engine-flat",
+MAIN_SYSTEMS = ("transformers", "langchain-huggingface", "llama-index-llms-huggingface", "kvboost-pypi",
+                "llamacpp-langchain", "llamacpp-llama-index", "ours-engine", "ours-engine-flat",
                 "ours-engine-cache-order", "ours-engine-blend", "ours-langchain", "ours-llama-index")
-WORKER_SYSTEM = "langchain-huggingface"
-WORKER_HUB = "1.33.0"
 MODES = {
     "quick": dict(turns=3, chat_tokens=8, doc_counts=(1, 3), rag_questions=3, rag_tokens=8, coding_steps=6,
                   coding_tokens=8, repeats=1, memory_workloads=("chat",)),
     "full": dict(turns=10, chat_tokens=32, doc_counts=(1, 2, 4, 8), rag_questions=8, rag_tokens=12,
                  coding_steps=10, coding_tokens=32, repeats=3, memory_workloads=("chat", "rag", "coding")),
 }
-
-
-def worker_python() -> Path:
-    return Path(os.environ.get("KVBOOST_BENCH_LANGCHAIN_HF_PYTHON", ROOT / ".venv-langchain-hf" / "bin" / "python"))
 
 
 def make_workloads(model, tokenizer, settings: dict) -> list[Workload]:
@@ -110,7 +104,7 @@ def run(args) -> dict:
     settings = dict(MODES[mode])
     if args.repeats:
         settings["repeats"] = args.repeats
-    wanted = args.systems.split(",") if args.systems else [*MAIN_SYSTEMS, WORKER_SYSTEM]
+    wanted = args.systems.split(",") if args.systems else list(MAIN_SYSTEMS)
     started, load_start = time.time(), os.getloadavg()[0]
     model, tokenizer, attention = load(args.threads)
     workloads = make_workloads(model, tokenizer, settings)
@@ -118,40 +112,18 @@ def run(args) -> dict:
     spec, memory_spec = workdir / "workloads.json", workdir / "memory-workloads.json"
     spec.write_text(json.dumps([w.to_json() for w in workloads]))
     memory_spec.write_text(json.dumps([w.to_json() for w in workloads if w.name in settings["memory_workloads"]]))
-    common = ["--workloads", str(spec), "--threads", str(args.threads)]
     memory_args = ["--workloads", str(memory_spec), "--threads", str(args.threads)]
 
     systems, status = build_systems([s for s in wanted if s in MAIN_SYSTEMS], model, tokenizer, attention)
     groups = {"main": run_timing(systems, workloads, settings["repeats"])}
     set_attention(model, attention)
     processes = {s.id: "this process" for s in systems}
-    worker_env = None
-    if WORKER_SYSTEM in wanted:
-        python = worker_python()
-        if not python.exists():
-            status[WORKER_SYSTEM] = (f"could not run: its venv ({python.parent.parent.name}) is missing; "
-                                     f"langchain-huggingface 1.2.3 needs huggingface-hub<2, ours pins 2.x "
-                                     f"(bash dev.sh bench sets that venv up)")
-        else:
-            log("langchain-huggingface worker (its own venv)...")
-            try:
-                out = run_worker(python, ["--worker", "timing", "--systems", f"transformers,{WORKER_SYSTEM}",
-                                          "--repeats", str(settings["repeats"]), *common], workdir, "worker")
-                status[WORKER_SYSTEM] = out["status"][WORKER_SYSTEM]
-                if status[WORKER_SYSTEM] == "ran":
-                    groups["worker"] = out["raw"]
-                    processes[WORKER_SYSTEM] = (f"worker process in {python.parent.parent.name} (huggingface-hub "
-                                                f"{WORKER_HUB}), compared with that process's own transformers run")
-                worker_env = {k: out[k] for k in ("environment", "attention", "versions")}
-            except RuntimeError as err:
-                status[WORKER_SYSTEM] = f"could not run: {err}"
     memory = {}
     if not args.no_memory:
         for system_id in [s for s in wanted if status.get(s) == "ran"]:
-            python = worker_python() if system_id == WORKER_SYSTEM else Path(sys.executable)
             log(f"peak memory: {system_id}")
             try:
-                memory[system_id] = run_worker(python, ["--worker", "memory", "--system", system_id, *memory_args],
+                memory[system_id] = run_worker(Path(sys.executable), ["--worker", "memory", "--system", system_id, *memory_args],
                                                workdir, f"memory-{system_id}")
             except RuntimeError as err:
                 memory[system_id] = {"status": f"failed: {err}"}
@@ -161,14 +133,13 @@ def run(args) -> dict:
     return {
         "benchmark": "sidebyside", "mode": mode, "settings": {**settings, "doc_counts": list(settings["doc_counts"]),
                                                    "memory_workloads": list(settings["memory_workloads"])},
-        "environment": env, "worker_environment": worker_env,
+        "environment": env, "worker_environment": None,
         "systems": {s: {"label": SYSTEMS[s].label, "package": SYSTEMS[s].package,
-                        "version": version(SYSTEMS[s].package) if s != WORKER_SYSTEM or not worker_env
-                        else worker_env["versions"].get(s), "status": status.get(s, "not requested"),
+                        "version": version(SYSTEMS[s].package), "status": status.get(s, "not requested"),
                         "process": processes.get(s), "memory": memory.get(s)} for s in wanted},
         "workloads": [w.describe() for w in workloads],
         "groups": {name: aggregate.aggregate_group(raw, workloads) for name, raw in groups.items()},
-        "group_of": {s: ("worker" if s == WORKER_SYSTEM else "main") for s in wanted},
+        "group_of": {s: "main" for s in wanted},
     }
 
 

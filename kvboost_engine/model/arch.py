@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedModelError
+from . import compat
 from ..kv.geometry import KVGeometry
 
 
@@ -131,7 +132,7 @@ class ModelAdapter:
 
     def rope_settings(self) -> dict:
         """Rope configuration as a plain dict (part of the model fingerprint)."""
-        params = getattr(self.config, "rope_parameters", None) or {}
+        params = compat.rope_parameters(self.config)
         return {k: params[k] for k in sorted(params)}
 
     def rope_kinds(self) -> dict:

