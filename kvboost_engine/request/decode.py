@@ -86,7 +86,7 @@ def _decode(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingParams,
             constraint, done: Prefilled, gen: Generation, started: float) -> Generator[str, None, None]:
     n = len(prompt)
     sampler = Sampler(params, parts.adapter.device, parts.eos_ids)
-    text = TextAssembler(parts.tokenizer, params.stop)
+    text = TextAssembler(parts.tokenizer, params.stop, params.skip_special_tokens)
     kv = done.sequence
     valid, exact_upto = n, done.exact_upto          # KV positions computed / equal to a full prefill
     try:

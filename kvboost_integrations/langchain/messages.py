@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from .._toolcalls import native_call_id
+
 from langchain_core.messages import (AIMessage, BaseMessage, ChatMessage, FunctionMessage, HumanMessage,
                                      SystemMessage, ToolMessage)
 
@@ -33,7 +35,8 @@ def is_document_block(block) -> bool:
 
 def to_engine_messages(messages: Sequence[BaseMessage], *, native_tools: bool) -> list[dict]:
     """Convert messages; with `native_tools`, tool calls and tool results keep their structured
-    fields for a tool-aware chat template, otherwise tool calls are written out as text."""
+    fields for a tool-aware chat template (ids as 9 alphanumerics: Mistral's templates accept no
+    other), otherwise tool calls are written out as text."""
     return [_convert(message, native_tools) for message in messages]
 
 
@@ -46,7 +49,7 @@ def _convert(message: BaseMessage, native_tools: bool) -> dict:
         else:
             out["content"] = _append_text(out["content"], tool_calls_as_text(message.tool_calls))
     if isinstance(message, ToolMessage) and native_tools:
-        out["tool_call_id"] = message.tool_call_id
+        out["tool_call_id"] = native_call_id(message.tool_call_id)
         if message.name:
             out["name"] = message.name
     return out
@@ -94,5 +97,5 @@ def tool_calls_as_text(tool_calls) -> str:
 
 
 def _native_call(call) -> dict:
-    return {"id": call.get("id"), "type": "function",
+    return {"id": native_call_id(call.get("id")), "type": "function",
             "function": {"name": call["name"], "arguments": call["args"]}}

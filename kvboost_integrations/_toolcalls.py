@@ -1,0 +1,183 @@
+"""Tool calls in the model's own format, framework-neutral: which format a chat template uses, the
+grammar of a forced call, the calls found in a reply, and streaming text held back once a call begins.
+
+Formats (read from the chat template; the model was trained on what its template writes):
+- "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5, Hermes, and
+  our prompt for templates without tools, such as SmolLM2's).
+- "llama3_json": the reply is `{"name": ..., "parameters": {...}}` (Llama 3.1/3.2 custom tools).
+- "mistral": `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral v3 templates).
+A reply is parsed for its template's format; forced calls are generated in it by constrained
+decoding (`TaggedJson`), so they always parse.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from kvboost_engine.constrained import TaggedJson
+
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one family of chat templates writes tool calls."""
+
+    name: str
+    native: bool            # the chat template renders the `tools` list itself
+    prefix: str             # text before the call(s)
+    suffix: str             # text after them
+    arguments_key: str      # "arguments" or "parameters"
+    as_list: bool = False   # calls are a JSON list (Mistral)
+
+    def forced_call(self, tools: dict[str, dict]) -> TaggedJson:
+        """The grammar of exactly one call to one of `tools` (name -> parameters schema)."""
+        bodies = [{"type": "object", "properties": {"name": {"const": name}, self.arguments_key: params or NO_ARGUMENTS},
+                   "required": ["name", self.arguments_key]} for name, params in tools.items()]
+        body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        if self.as_list:
+            body = {"type": "array", "items": body, "minItems": 1, "maxItems": 1}
+        return TaggedJson(self.prefix, body, self.suffix)
+
+    def call_start(self, text: str) -> int | None:
+        """Where the first call begins in `text`, if it does."""
+        if self.name == "llama3_json":
+            stripped = len(text) - len(text.lstrip())
+            rest = text[stripped:]
+            return stripped if rest.startswith(("{", PYTHON_TAG)) else None
+        at = text.find(self.marker)
+        return at if at >= 0 else None
+
+    def held_back(self, text: str) -> int:
+        """How many trailing characters of `text` could still turn into the start of a call."""
+        if self.name == "llama3_json":
+            return len(text) if not text.strip() or PYTHON_TAG.startswith(text.strip()) else 0
+        for size in range(min(len(self.marker) - 1, len(text)), 0, -1):
+            if text.endswith(self.marker[:size]):
+                return size
+        return 0
+
+    @property
+    def marker(self) -> str:
+        return self.prefix.strip() if self.prefix.strip() else "{"
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """The reply's plain text and its calls: dicts with name (None when unreadable), args (a
+        JSON string, possibly invalid) and id."""
+        start = self.call_start(text)
+        if start is None:
+            return text, []
+        content, body = text[:start].rstrip(), text[start:]
+        if self.name == "hermes":
+            calls = [_call(block) for block in _HERMES_RE.findall(body)]
+        elif self.name == "mistral":
+            calls = _json_calls(body[len(self.marker):])
+        else:
+            calls = _json_calls(body.removeprefix(PYTHON_TAG) if body.startswith(PYTHON_TAG) else body)
+            if not calls or calls[0]["name"] is None:       # not a call after all: an answer in JSON
+                return text, []
+        return content, calls
+
+
+PYTHON_TAG = "<|python_tag|>"
+HERMES = ToolFormat("hermes", False, "<tool_call>\n", "\n</tool_call>", "arguments")
+_HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+FORMATS = {
+    "hermes": ToolFormat("hermes", True, "<tool_call>\n", "\n</tool_call>", "arguments"),
+    "llama3_json": ToolFormat("llama3_json", True, "", "", "parameters"),
+    "mistral": ToolFormat("mistral", True, "[TOOL_CALLS] ", "", "arguments", as_list=True),
+}
+
+
+def tool_format(tokenizer) -> ToolFormat:
+    """The tool-call format of a tokenizer's chat template (Hermes with our prompt when the template
+    does not render tools)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    if "tools" not in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"]
+    if "<tool_call>" in template:
+        return FORMATS["hermes"]
+    if '"parameters"' in template or PYTHON_TAG in template or "ipython" in template:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def native_call_id(call_id: str | None) -> str:
+    """A 9-character alphanumeric id for a call id (Mistral's templates accept no other), the same
+    for the call and for its result."""
+    return hashlib.sha1((call_id or "").encode()).hexdigest()[:9]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(body: str) -> dict:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
+        return {"name": name.group(1) if name else None, "args": body, "id": new_call_id()}
+    return _from_json(data) or {"name": None, "args": body, "id": new_call_id()}
+
+
+def _from_json(data) -> dict | None:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get("arguments", data.get("parameters", {}))
+    return {"name": data["name"], "args": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+            "id": new_call_id()}
+
+
+def _json_calls(text: str) -> list[dict]:
+    """Calls in JSON values one after another (a list of calls, objects separated by `;` or space)."""
+    calls, position, text = [], 0, text.strip()
+    while position < len(text):
+        try:
+            value, position = _DECODER.raw_decode(text, position)
+        except json.JSONDecodeError:
+            calls.append({"name": None, "args": text[position:], "id": new_call_id()})
+            break
+        for item in value if isinstance(value, list) else [value]:
+            calls.append(_from_json(item) or {"name": None, "args": json.dumps(item), "id": new_call_id()})
+        while position < len(text) and text[position] in " \n\t;,":
+            position += 1
+    return calls
+
+
+class ToolCallSplitter:
+    """Passes streamed text through until a tool call begins; holds back the rest for parsing."""
+
+    def __init__(self, fmt: ToolFormat | None):
+        self.format = fmt
+        self.text = ""
+        self.shown = 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.format is None:
+            return self._show(len(self.text))
+        start = self.format.call_start(self.text)
+        if start is not None:
+            return self._show(start)
+        return self._show(len(self.text) - self.format.held_back(self.text))
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The text not shown yet, and the parsed tool calls."""
+        if self.format is None:
+            return self._show(len(self.text)), []
+        content, calls = self.format.parse(self.text)
+        return self._show(max(self.shown, len(content))), calls
+
+    def _show(self, end: int) -> str:
+        delta = self.text[self.shown:end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        return delta
