@@ -143,8 +143,8 @@ def _json_calls(text: str) -> list[dict]:
     while position < len(text):
         try:
             value, position = _DECODER.raw_decode(text, position)
-        except json.JSONDecodeError:
-            calls.append({"name": None, "args": text[position:], "id": new_call_id()})
+        except json.JSONDecodeError:         # cut short (max_tokens) or malformed: keep what is readable
+            calls.append(_call(text[position:]))
             break
         for item in value if isinstance(value, list) else [value]:
             calls.append(_from_json(item) or {"name": None, "args": json.dumps(item), "id": new_call_id()})
