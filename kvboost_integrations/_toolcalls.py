@@ -110,6 +110,58 @@ def tool_format(tokenizer) -> ToolFormat:
     return FORMATS["hermes"]
 
 
+def normalize_tool_choice(tool_choice, names: list[str]) -> str:
+    """None/"auto" -> "auto"; "none" -> "none"; "any"/"required"/True -> "any"; a tool name (or an
+    OpenAI-style {"function": {"name": ...}}) -> that name."""
+    if tool_choice in (None, "auto", False):
+        return "auto"
+    if tool_choice in ("any", "required", True):
+        return "any"
+    if tool_choice == "none":
+        return "none"
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if isinstance(tool_choice, str) and tool_choice in names:
+        return tool_choice
+    raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required' or one of {names}, got {tool_choice!r}")
+
+
+def forced_tools(tools: list[dict], choice: str) -> dict[str, dict]:
+    """Name -> parameters schema of the OpenAI tool dicts a forced `choice` ("any" or a name) allows."""
+    return {t["function"]["name"]: t["function"].get("parameters") for t in tools
+            if choice == "any" or t["function"]["name"] == choice}
+
+
+def tool_prompt(tools: list[dict]) -> str:
+    """System text describing `tools` (OpenAI tool dicts) and how to call them (Hermes format), for
+    chat templates that do not render tools."""
+    specs = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+    return ("You can call these tools:\n<tools>\n" + specs + "\n</tools>\n"
+            "To call a tool, reply with:\n<tool_call>\n"
+            '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
+
+
+def add_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Put the tool description in the system message (a part of its own, after the user's text)."""
+    part = {"type": "text", "text": tool_prompt(tools)}
+    if messages and messages[0]["role"] == "system":
+        content = messages[0]["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+        return [{**messages[0], "content": [*parts, part]}, *messages[1:]]
+    return [{"role": "system", "content": [part]}, *messages]
+
+
+def calls_as_text(calls: list[tuple[str, dict]]) -> str:
+    """(name, arguments) calls as the Hermes text our tool prompt asks for: one block each."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+                     + "\n</tool_call>" for name, args in calls)
+
+
+def native_call(name: str, args: dict, call_id: str | None) -> dict:
+    """One call as HF chat templates read it (arguments as a dict, id made template-safe)."""
+    return {"id": native_call_id(call_id), "type": "function", "function": {"name": name, "arguments": args}}
+
+
 def native_call_id(call_id: str | None) -> str:
     """A 9-character alphanumeric id for a call id (Mistral's templates accept no other), the same
     for the call and for its result."""

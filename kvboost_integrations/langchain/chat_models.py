@@ -19,10 +19,10 @@ from kvboost_engine import Generation, GenerationStream
 from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream_timeout, iter_stream
-from .._toolcalls import ToolCallSplitter, tool_format
+from .._toolcalls import ToolCallSplitter, add_tool_prompt, forced_tools, normalize_tool_choice, tool_format
 from ._settings import KVBoostSettings, response_metadata, usage_metadata
 from .messages import to_engine_messages
-from .tools import add_tool_prompt, forced_tools, normalize_tool_choice, tool_call_chunks
+from .tools import tool_call_chunks
 
 
 class ChatKVBoost(KVBoostSettings, BaseChatModel):
