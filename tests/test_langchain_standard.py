@@ -31,6 +31,12 @@ class TestChatKVBoostUnit(ChatModelUnitTests):
         return ChatKVBoost
 
     @property
+    def standard_chat_model_params(self):
+        params = super().standard_chat_model_params
+        params.pop("api_key", None)      # a local engine has no API key (unknown arguments are errors)
+        return params
+
+    @property
     def supports_model_override(self):
         return False                 # one engine per instance: create another for another model
 
