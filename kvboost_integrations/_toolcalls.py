@@ -222,9 +222,10 @@ class ToolCallSplitter:
             return self._show(start)
         return self._show(len(self.text) - self.format.held_back(self.text))
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """The text not shown yet, and the parsed tool calls."""
-        if self.format is None:
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """The text not shown yet, and the parsed tool calls. A reply `cut` short (max_tokens) has
+        no calls: its unfinished call is returned as text, never repaired into a call."""
+        if self.format is None or cut:
             return self._show(len(self.text)), []
         content, calls = self.format.parse(self.text)
         return self._show(max(self.shown, len(content))), calls

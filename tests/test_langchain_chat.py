@@ -127,6 +127,12 @@ def test_streamed_tool_calls_are_held_back_and_parsed():
     assert [(c["name"], c["args"]) for c in total.tool_calls] == [("f", {"a": 1})]
     assert total.response_metadata["finish_reason"] == "tool_calls"
     assert parse_tool_calls("<tool_call>{bad json</tool_call>", HERMES)[1][0]["name"] is None
+    cut = _Reply("m")
+    cut.splitter = ToolCallSplitter(HERMES)
+    cut.chunk('<tool_call>\n{"name": "f", "arguments": {"a": 1')
+    last = cut.chunk(Generation(finish_reason="length")).message       # max_tokens cut the call short
+    assert last.tool_call_chunks == [] and last.content.startswith("<tool_call>")
+    assert last.response_metadata["finish_reason"] == "length"
     plain = ToolCallSplitter(None)
     assert plain.feed("a <tool_call>") == "a <tool_call>"
 

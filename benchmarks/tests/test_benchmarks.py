@@ -122,3 +122,25 @@ def test_paired_gap_counts_only_discordant_answers():
     assert se == pytest.approx(((0.3 - 0.01) / 10) ** 0.5)
     with pytest.raises(ValueError):
         paired_gap([True], [True, False])
+
+
+def test_generated_schemas_are_valid_deterministic_and_cover_the_asked_features():
+    import jsonschema
+
+    from benchmarks.micro.schemagen import SchemaGen, features
+    schemas = [SchemaGen(0).schema(i) for i in range(200)]
+    for schema in schemas:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    assert schemas[7] == SchemaGen(0).schema(7) and schemas[7] != SchemaGen(1).schema(7)
+    covered = set().union(*(features(s) for s in schemas))
+    assert covered >= {"nested objects", "arrays beyond 5 items", "optional properties", "nullable", "enum",
+                       "number bounds", "pattern", "maxLength"}
+
+
+def test_schema_benchmark_summary_counts_outcomes_and_speed():
+    from benchmarks.micro.schemas import summarize
+    records = [{"outcome": "valid", "tokens": 10}, {"outcome": "length", "tokens": 256},
+               {"outcome": "valid", "tokens": 20}]
+    summary = summarize(records, [{"ratio": 0.95}, {"ratio": 1.01}, {"ratio": 0.99}])
+    assert (summary["valid"], summary["length"], summary["invalid"]) == (2, 1, 0)
+    assert summary["valid_share_of_finished"] == 1.0 and summary["speed_ratio_median"] == 0.99

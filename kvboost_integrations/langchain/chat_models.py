@@ -174,9 +174,9 @@ class _Reply:
         if isinstance(item, str):
             visible = self.splitter.feed(item)
             return ChatGenerationChunk(message=AIMessageChunk(content=visible)) if visible else None
-        rest, calls = self.splitter.finish()
+        rest, calls = self.splitter.finish(cut=item.finish_reason != "stop")
         calls = tool_call_chunks(calls)
-        finish = "tool_calls" if calls and item.finish_reason == "stop" else item.finish_reason
+        finish = "tool_calls" if calls else item.finish_reason
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
                                  response_metadata=response_metadata(item, self.model_name, finish),
                                  chunk_position="last")

@@ -122,7 +122,8 @@ class ResponseShaper:
             delta = self._splitter.feed(item) if self._splitter is not None else item
             self.text += delta
             return self.text, delta, None, {}
-        delta, self._calls = self._splitter.finish() if self._splitter is not None else ("", [])
+        cut = item.finish_reason != "stop"
+        delta, self._calls = self._splitter.finish(cut) if self._splitter is not None else ("", [])
         self.text += delta
         telemetry = self.call.telemetry(item)
         usage = item.usage()
@@ -135,7 +136,7 @@ def _call_block(call: dict) -> ToolCallBlock:
     try:
         args = json.loads(call["args"])
     except json.JSONDecodeError:
-        args = call["args"]                 # unreadable (cut by max_new_tokens): kept as text
+        args = call["args"]                 # unreadable (the model's own malformed call): kept as text
     return ToolCallBlock(tool_call_id=call["id"], tool_name=call["name"] or "", tool_kwargs=args)
 
 
