@@ -8,6 +8,7 @@ from .errors import InputError
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CHUNK_TOKENS = 256
 MOVED_STRATEGIES = ("blend", "none", "full")
+MOVED_SELECTIONS = ("deviation", "attention")
 DEFAULT_DISK_BYTES = 8 * 1024**3
 KV_DEVICES = (None, "cpu")
 
@@ -27,6 +28,10 @@ class EngineConfig:
         share of tokens whose KV deviates most at `check_layer` (plus the first
         `recompute_head_tokens` of each moved span): faster, but it changes some answers (the
         README gives the measured cost); "none" re-rotates only.
+    moved_selection: how "blend" chooses the moved tokens to recompute: "deviation" (CacheBlend:
+        the KV that changes most when recomputed at `check_layer`) or "attention" (ProphetKV-style:
+        the tokens the new tokens attend to most over the first check_layer + 1 layers, measured by a
+        probe pass of the new tokens over the moved KV).
     paged: keep each request's KV as a block table over a shared pool (default on CPU): cached
         prefixes are mapped without copying. False: one contiguous buffer per request.
     prefill_chunk_tokens: longest run of new prompt tokens computed in one forward (bounds
@@ -42,6 +47,12 @@ class EngineConfig:
         (pinned when the model is on CUDA) and attention runs there, while the weights stay on
         the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
         does not fit on the GPU. Implies paged KV.
+    max_running: most requests decoding or prefilling at once in the engine's batch (continuous
+        batching: every step is one forward over all of them).
+    max_batch_tokens: most tokens one batch step computes (decode tokens plus prompt chunks);
+        None: prefill_chunk_tokens. Bounds how long a long prompt holds the others' decoding.
+    max_waiting, queue_timeout_s: requests waiting for KV room (beyond that, or after waiting that
+        long, a request gets a BudgetError; one that cannot fit the pool even alone is refused at once).
     disk_kv_int8: store chunks on disk as int8 (per-channel keys, per-token values): about a
         quarter of fp32 on disk and to read; chunks read back are approximations (inexact).
     """
@@ -53,6 +64,7 @@ class EngineConfig:
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 4
     check_layer: int = 1
+    moved_selection: str = "deviation"
     paged: bool | None = None
     prefill_chunk_tokens: int = 1024
     block_tokens: int = 16
@@ -61,6 +73,10 @@ class EngineConfig:
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     disk_kv_int8: bool = False
     kv_device: str | None = None
+    max_running: int = 16
+    max_batch_tokens: int | None = None
+    max_waiting: int = 1024
+    queue_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
@@ -73,6 +89,8 @@ class EngineConfig:
             raise InputError(f"moved_reuse must be one of {', '.join(MOVED_STRATEGIES)}, got {self.moved_reuse!r}")
         if not 0 <= self.recompute_ratio <= 1:
             raise InputError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if self.moved_selection not in MOVED_SELECTIONS:
+            raise InputError(f"moved_selection must be one of {', '.join(MOVED_SELECTIONS)}, got {self.moved_selection!r}")
         if self.recompute_head_tokens < 0 or self.check_layer < 0:
             raise InputError("recompute_head_tokens and check_layer must be >= 0")
         if self.prefill_chunk_tokens < 1:
@@ -85,5 +103,15 @@ class EngineConfig:
             raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
         if self.kv_device == "cpu" and self.paged is False:
             raise InputError("kv_device='cpu' keeps KV in CPU pages: it needs paged KV (paged=None or True)")
+        if isinstance(self.max_running, bool) or not isinstance(self.max_running, int) or self.max_running < 1:
+            raise InputError(f"max_running must be an int >= 1, got {self.max_running!r}")
+        if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool) or not isinstance(
+                self.max_batch_tokens, int) or self.max_batch_tokens < self.max_running):
+            raise InputError(f"max_batch_tokens must be None or an int >= max_running ({self.max_running}), "
+                             f"got {self.max_batch_tokens!r}")
+        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
+            raise InputError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
+        if not isinstance(self.queue_timeout_s, (int, float)) or not 0 <= self.queue_timeout_s < float("inf"):
+            raise InputError(f"queue_timeout_s must be a finite number >= 0, got {self.queue_timeout_s!r}")
         if self.disk_cache_bytes < 0:
             raise InputError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes!r}")

@@ -5,6 +5,7 @@ import atexit
 import dataclasses
 import os
 import threading
+import time
 
 import torch
 
@@ -18,9 +19,11 @@ from .model.arch import ModelAdapter
 from .model.fingerprint import model_fingerprint
 from .model.forward import Forward
 from .model.rope import RopeMover
-from .request.decode import EngineParts, check_window, prefill_prompt, run_request, store
+from .request.decode import Channel, EngineParts, Request, check_window, store
 from .request.generation import Generation, GenerationStream
-from .request.prefill import PrefillParts
+from .request.ordering import order_documents
+from .request.prefill import PrefillParts, prefill
+from .request.scheduler import Scheduler
 from .request.prompt import ChatRenderer, segments_from_prompt
 from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
@@ -65,6 +68,10 @@ class Engine:
         self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),
                                   self.instruments)
         self._grammars = GrammarCompiler(tokenizer, logits_size(model, tokenizer), self._parts.eos_ids)
+        c = self.config
+        self._scheduler = Scheduler(self._parts, max_running=c.max_running, max_waiting=c.max_waiting,
+                                    max_batch_tokens=c.max_batch_tokens or c.prefill_chunk_tokens,
+                                    queue_timeout_s=c.queue_timeout_s)
         self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
         self._counter_lock = threading.Lock()
         self._owns_model = False
@@ -133,9 +140,9 @@ class Engine:
             if not isinstance(constraint, LogitsConstraint):
                 raise InputError("constraint must be a constrained.Grammar or a LogitsConstraint "
                                  f"(mask, advance, is_finished), got {type(constraint).__name__}")
-        cancel = threading.Event()
-        run = run_request(self._parts, prompt, sampling, cancel, self._count, constraint)
-        return GenerationStream(run, cancel)
+        request = Request(prompt, sampling, threading.Event(), Channel(), self._count, constraint, time.perf_counter())
+        self._scheduler.submit(request)
+        return GenerationStream(request.channel.events(), request.cancel)
 
     def _count(self, gen: Generation) -> None:
         """Request counters, for every request however it ended."""
@@ -165,12 +172,16 @@ class Engine:
         else:
             tokenized = self.encode_messages(messages, **(template_kwargs or {}))
         check_window(self._parts, len(tokenized), 1)
-        done = prefill_prompt(self._parts, tokenized, 0)
+        return self._scheduler.call(lambda: self._prefill_and_store(tokenized)).logits
+
+    def _prefill_and_store(self, prompt: TokenizedPrompt, pin: bool = False):
+        """Prefill `prompt` and store its KV (on the scheduler thread); returns the Prefilled."""
+        done = prefill(self._parts.prefill, prompt, 0)
         try:
-            store(self._parts, tokenized, done.sequence, len(tokenized), done.exact_upto)
+            store(self._parts, prompt, done.sequence, len(prompt), done.exact_upto, pin=pin)
         finally:
             done.sequence.release()
-        return done.logits
+        return done
 
     @property
     def context_window(self) -> int:
@@ -211,14 +222,32 @@ class Engine:
         check_window(self._parts, n, 0)
         if pin:
             self.cache.check_pin_budget(n)              # refuse before computing anything
-        done = prefill_prompt(self._parts, prompt, 0)
-        try:
-            store(self._parts, prompt, done.sequence, n, done.exact_upto, pin=pin)
-        finally:
-            done.sequence.release()
+        self._scheduler.call(lambda: self._prefill_and_store(prompt, pin))
         match = self.cache.match(prompt.token_ids, n)
         self.cache.release(match.table)
         return match.length
+
+    def order_documents(self, messages) -> tuple[list[dict], int]:
+        """Cache-aware document order: within each run of document parts, documents whose KV is
+        cached right after the prompt so far go first (exact-prefix hits: replies as without
+        cache for that order); the others keep their relevance order. Returns the reordered
+        messages and how many documents were placed from the cache."""
+        self._check_open()
+        self.encode_messages(messages)                      # validates before any lookup
+        encode = lambda trial: self.encode_messages(trial, add_generation_prompt=False)  # noqa: E731
+        return order_documents(list(messages), encode, self.cache.cached_prefix)
+
+    def warm_documents(self, documents, *, system: str | None = None, pin: bool = False) -> int:
+        """Cache each document as the first part of a user message after `system` (the layout of
+        `document_messages` and of prompts ordered with `order_documents`), so a later prompt that
+        starts with that document reuses it exactly. Returns tokens now cached."""
+        head = [{"role": "system", "content": system}] if system is not None else []
+        total = 0
+        for text in documents:
+            if not isinstance(text, str):
+                raise InputError(f"documents must be strings, got {type(text).__name__}")
+            total += self.warm(head + [{"role": "user", "content": [{"type": "document", "text": text}]}], pin=pin)
+        return total
 
     def stats(self) -> dict:
         """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters; for
@@ -240,6 +269,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._scheduler.close()
         if self.disk is not None:
             self.disk.close()
             atexit.unregister(self._exit_flush)

@@ -29,13 +29,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ForwardEvent:
     """One forward pass of the model. kind: "prefill" (new prompt tokens), "repair" (new tokens
-    plus recomputed moved tokens) or "decode" (one generated token); `tokens` computed from
-    position `start`; `seconds` of wall time (the forward only)."""
+    plus recomputed moved tokens), "probe" (new tokens scoring moved ones), "decode" (one
+    generated token), or "batch" (tokens of several sequences in one pass); `tokens` computed
+    from position `start` (-1 for a batch); `seconds` of wall time (the forward only);
+    `sequences` in the pass."""
 
     kind: str
     tokens: int
     start: int
     seconds: float
+    sequences: int = 1
 
 
 @dataclass(frozen=True, slots=True)

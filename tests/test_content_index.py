@@ -107,3 +107,11 @@ def test_a_moved_hit_reads_the_kv_of_its_source_positions():
 
 def test_anchor_windows_are_short():
     assert ANCHOR_TOKENS <= 16
+
+
+def test_sequences_shorter_than_the_hash_window_have_hashes_and_no_anchors():
+    from kvboost_engine.kv.anchors import WINDOW, window_hashes
+    for n in range(WINDOW + 1):
+        tokens = doc(n, n)
+        assert len(window_hashes(tokens)) == n
+        assert anchor_ends(tokens, [(0, n)] if n else []) == []

@@ -51,7 +51,7 @@ def test_stats_count_every_request_however_it_ends(tiny):
     cancelled.collect()
     stats = engine.stats()
     assert stats["requests"] == 3
-    assert stats["generated_tokens"] >= 3 + 1 + 1
+    assert stats["generated_tokens"] >= 3 + 1             # the cancelled one may stop before its first token
     assert stats["prompt_tokens"] == sum(engine.count_tokens(p) for p in
                                          ("Hello there", "Hello again, and again", "A third one"))
 

@@ -216,3 +216,15 @@ def test_unmodified_retrieval_chain_reuses_90_percent_of_document_tokens_with_mo
     system_tokens = engine.count_tokens([{"role": "system", "content": SYSTEM + "\n\n"}])
     share = _document_reuse(metadata, retrieved, document_tokens, [system_tokens] * len(QUESTIONS))
     assert share >= 0.9, f"reused {share:.0%} of document tokens"
+
+
+def test_cache_aware_order_and_warming_reuse_documents_exactly(smol, retriever):
+    from kvboost_integrations.langchain import warm_documents
+    engine = _engine(smol, 256 * 2**20)
+    llm = ChatKVBoost(engine=engine, max_tokens=4, document_order="cache")
+    warm_documents(llm, [CORPUS[0], CORPUS[1]], system=SYSTEM)
+    chain = retrieval_messages(retriever, system=SYSTEM) | llm
+    replies = [chain.invoke(q) for q in QUESTIONS]
+    placed = [r.response_metadata["documents_from_cache"] for r in replies]
+    assert all(r.response_metadata["reused_moved"] == 0 for r in replies)
+    assert sum(placed) >= len(QUESTIONS) and all(p >= 1 for p in placed[1:])

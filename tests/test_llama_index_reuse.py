@@ -89,3 +89,19 @@ def _stock_node_reuse(engine, call, node_texts: list[str]) -> tuple[int, int]:
     node_tokens = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in node_texts)
     reused = max(0, call["raw"]["kvboost"]["reused_tokens"] - head)
     return min(reused, node_tokens), node_tokens
+
+
+def test_cache_order_and_warmed_nodes_are_reused_exactly(smol, engine):
+    """Nodes warmed at ingestion (WarmNodes) and cache-aware node order: exact reuse only."""
+    from kvboost_integrations.llama_index import KVBoostSynthesizer, WarmNodes
+    llm = KVBoost(engine=engine, max_new_tokens=2)
+    synthesizer = KVBoostSynthesizer(llm, "compact", node_order="cache")
+    splitter = SentenceSplitter(chunk_size=512, chunk_overlap=0, tokenizer=ModelTokenizer(smol[1]))
+    documents = [Document(text=text, id_=name) for name, text in CORPUS.items()]
+    warmed = VectorStoreIndex.from_documents(documents, embed_model=HashEmbedding(),
+                                             transformations=[splitter, WarmNodes(synthesizer=synthesizer)])
+    query_engine = warmed.as_query_engine(llm=llm, response_synthesizer=synthesizer, similarity_top_k=TOP_K)
+    telemetry = [query_engine.query(q).metadata["kvboost"] for q in QUESTIONS]
+    assert all(t["reused_moved"] == 0 for t in telemetry)
+    assert all(t["documents_from_cache"] >= 1 for t in telemetry)       # a warmed node goes first, every time
+    assert telemetry[0]["document_tokens_reused"] > 0                    # even for the very first question

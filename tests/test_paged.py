@@ -69,24 +69,33 @@ def test_concurrent_chats_share_the_system_prompt_blocks(smol):
     used = engine.stats()["pool_blocks_used"]
     per_chat = -(-(8 + 30) // 16) + 1                     # own blocks: new tokens, reply, one copied block
     assert used <= prompt_blocks + 4 * per_chat, (used, prompt_blocks)
-    assert used < 2 * prompt_blocks                       # the prompt's blocks are there once, not 4 times
+    assert used < 2 * prompt_blocks + 4                   # the prompt's blocks are there once, not 4 times
     for stream in streams:
         stream.collect()
     engine.cache.check_invariants()
 
 
-def test_request_over_budget_is_refused_before_work_and_running_ones_finish(smol):
+def test_request_that_fits_only_alone_waits_for_room_or_is_refused_after_the_queue_timeout(smol):
     model, tokenizer = smol
     per_token = 46080
-    engine = Engine(model, tokenizer, cache_bytes=0, kv_pool_bytes=700 * per_token)
-    running = engine.stream("Tell me a long story about a dragon. " * 40, max_new_tokens=40)
-    first = next(running)
-    with pytest.raises(BudgetError, match="refused before any work.*needs"):
-        engine.generate("Another long request. " * 80, max_new_tokens=8)
-    rest = running.collect()
-    assert first and rest.completion_tokens == 40 or rest.finish_reason == "stop"
-    assert engine.stats()["pool_blocks_used"] == 0
-    assert engine.generate("Short.", max_new_tokens=2).completion_tokens >= 1
+    long_story = "Tell me a long story about a dragon. " * 40
+    for timeout in (300.0, 0.0):
+        engine = Engine(model, tokenizer, cache_bytes=0, kv_pool_bytes=700 * per_token, queue_timeout_s=timeout)
+        running = engine.stream(long_story, max_new_tokens=40)
+        first = next(running)
+        if timeout:
+            later = engine.generate("Another long request. " * 80, max_new_tokens=8)   # waits, then runs
+            assert later.completion_tokens >= 1
+        else:
+            with pytest.raises(BudgetError, match="needs.*waited"):
+                engine.generate("Another long request. " * 80, max_new_tokens=8)
+        rest = running.collect()
+        assert first and rest.completion_tokens == 40 or rest.finish_reason == "stop"
+        assert engine.stats()["pool_blocks_used"] == 0
+        assert engine.generate("Short.", max_new_tokens=2).completion_tokens >= 1
+        with pytest.raises(BudgetError, match="refused before any work"):
+            engine.generate("Far too long. " * 400, max_new_tokens=8)                 # never fits: at once
+        engine.close()
 
 
 def test_spill_runs_a_context_longer_than_the_pool_only_with_the_disk_tier(smol, tmp_path):

@@ -21,10 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from kvboost_engine import BudgetError, Engine, ForwardEvent
+from kvboost_engine import Engine, ForwardEvent
 
 from .._common import chat_with_first_logits, environment, load_default
 

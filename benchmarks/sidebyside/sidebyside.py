@@ -35,7 +35,7 @@ from .workloads import Workload, chat_workload, coding_workload, rag_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_SYSTEMS = ("transformers", "llama-index-llms-huggingface", "kvboost-pypi", "ours-engine", "ours-engine-flat",
-                "ours-langchain", "ours-llama-index")
+                "ours-engine-cache-order", "ours-engine-blend", "ours-langchain", "ours-llama-index")
 WORKER_SYSTEM = "langchain-huggingface"
 WORKER_HUB = "1.33.0"
 MODES = {

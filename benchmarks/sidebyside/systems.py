@@ -192,10 +192,11 @@ class KVBoostPyPI(System):
 
 
 class OursEngine(System):
-    """kvboost_engine.Engine with default options; documents and files as document parts."""
+    """kvboost_engine.Engine with default options (exact reuse only); documents and files as document parts."""
 
     id, label, package = "ours-engine", "ours: Engine", "kvboost-integrations"
     flat = False
+    options: dict = {}
 
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
@@ -205,7 +206,7 @@ class OursEngine(System):
 
     def reset(self):
         from kvboost_engine import Engine
-        self.engine = Engine(self.model, self.tokenizer)
+        self.engine = Engine(self.model, self.tokenizer, **self.options)
 
     def _prepare(self, request):
         return flat_messages(request.messages) if self.flat else request.messages
@@ -220,6 +221,23 @@ class OursEngineFlat(OursEngine):
 
     id, label = "ours-engine-flat", "ours: Engine, documents as one text"
     flat = True
+
+
+class OursEngineBlend(OursEngine):
+    """The opt-in approximate repair of moved documents (blend, 15% recomputed)."""
+
+    id, label = "ours-engine-blend", "ours: Engine, moved reuse opt-in (blend 15%)"
+    options = {"moved_reuse": "blend"}
+
+
+class OursEngineCacheOrder(OursEngine):
+    """Exact reuse with cache-aware document order (documents that continue a cached prefix first)."""
+
+    id, label = "ours-engine-cache-order", "ours: Engine, cache-aware document order"
+
+    def _reply(self, messages, max_new_tokens, clock):
+        ordered, _ = self.engine.order_documents(messages)
+        return super()._reply(ordered, max_new_tokens, clock)
 
 
 class OursLangChain(OursEngine):
@@ -269,7 +287,8 @@ class OursLlamaIndex(OursEngine):
 
 
 SYSTEMS = {cls.id: cls for cls in (Transformers, LangChainHuggingFace, LlamaIndexHuggingFace, KVBoostPyPI,
-                                   OursEngine, OursEngineFlat, OursLangChain, OursLlamaIndex)}
+                                   OursEngine, OursEngineFlat, OursEngineBlend, OursEngineCacheOrder, OursLangChain,
+                                   OursLlamaIndex)}
 
 
 def build(system_id: str, model, tokenizer, baseline_attention: str) -> System:

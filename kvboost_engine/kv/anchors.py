@@ -32,7 +32,7 @@ def window_hashes(token_ids) -> np.ndarray:
     mixed = _mix(np.asarray(token_ids, dtype=np.int64))
     out = np.zeros_like(mixed)
     with np.errstate(over="ignore"):
-        for j in range(WINDOW):
+        for j in range(min(WINDOW, len(mixed))):
             out[j:] += mixed[:len(mixed) - j] * _POWERS[j]
     return out
 

@@ -85,6 +85,13 @@ class ChunkCache:
             self.counters.hit_tokens += offset
         return match
 
+    def cached_prefix(self, tokens: list[int], limit: int) -> int:
+        """How many of tokens[:limit] are cached as an exact prefix in memory (a peek: no counters,
+        no recency, no disk)."""
+        with self._lock:
+            match, _, _ = self.tree.walk(tokens, limit, touch=False)
+            return next((span.start for span in match.spans if not span.exact), match.length)
+
     def release(self, table) -> None:
         """Give back the references a match handed out."""
         self.pool.release([b for b in table if b is not None])

@@ -48,7 +48,7 @@ class RadixTree:
         node.hits += 1
         self.nodes.move_to_end(node.uid)
 
-    def walk(self, tokens, limit: int) -> tuple[Match, Node, int]:
+    def walk(self, tokens, limit: int, touch: bool = True) -> tuple[Match, Node, int]:
         """Follow the tree along tokens[:limit] (token-exact, into a node's middle)."""
         match, node, offset = Match(), self.root, 0
         while offset < limit:
@@ -56,7 +56,8 @@ class RadixTree:
             if child is None:
                 break
             used = common_prefix(child.tokens[:limit - offset], tokens, offset)
-            self.touch(child)
+            if touch:
+                self.touch(child)
             if not match.spans or match.spans[-1].exact != child.exact:
                 match.spans.append(KVSpan(offset, 0, offset, child.exact))
             match.spans[-1].pieces.append((child, 0, used))

@@ -125,3 +125,7 @@ class ModelAdapter:
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head on the last position only: [1, N, hidden] -> [vocab] fp32."""
         return self.lm_head(self.norm(hidden[:, -1:, :]))[0, -1].float()
+
+    def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Final norm and lm_head on the given positions only: [1, N, hidden] -> [len(rows), vocab] fp32."""
+        return self.lm_head(self.norm(hidden[:, rows, :]))[0].float()

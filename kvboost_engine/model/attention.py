@@ -8,7 +8,6 @@ falls back to transformers' SDPA, so the model keeps working as a plain HF model
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -44,9 +43,26 @@ class AttentionStep:
         if window not in self._explicit:
             mask = self.masks[window]
             if mask is None and self.end - self.start > 1:
-                mask = explicit_mask(torch.arange(self.start, self.end, device=_device(self.kv)), self.end, window)
+                mask = explicit_mask(torch.arange(self.start, self.end, device=self.device), self.end, window)
             self._explicit[window] = mask
         return self._explicit[window]
+
+
+class BatchStep:
+    """One forward over the new tokens of several sequences packed along the token axis: each
+    sequence's rows write its own KV and attend over its own KV only (its AttentionStep)."""
+
+    __slots__ = ("steps", "rows", "device")
+
+    def __init__(self, steps: list[AttentionStep], rows: list[tuple[int, int]]):
+        self.steps = steps
+        self.rows = rows                                # [lo, hi) of each sequence's tokens
+        self.device = steps[0].device
+
+    def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
+        # query [1, H, T, D]; keys/values [1, Hkv, T, D] -> output [1, T, H, D]
+        return torch.cat([step.attend(layer, query[:, :, lo:hi], keys[:, :, lo:hi], values[:, :, lo:hi], scaling)
+                          for step, (lo, hi) in zip(self.steps, self.rows)], dim=1)
 
 
 class ScatterStep:
@@ -93,6 +109,28 @@ class ScatterStep:
         if key not in self._masks:
             self._masks[key] = explicit_mask(piece.to(self.device), int(piece[-1]) + 1, window)
         return self._masks[key]
+
+
+class ProbeStep(ScatterStep):
+    """A ScatterStep that also adds up the attention its queries pay to every key position:
+    `mass` [end] (summed over heads and queries, each layer normalised to 1 per query)."""
+
+    __slots__ = ("mass",)
+
+    def __init__(self, kv, positions: torch.Tensor, end: int, layer_windows: tuple, mass: torch.Tensor,
+                 masks: dict | None = None):
+        super().__init__(kv, positions, end, layer_windows, False, masks)
+        self.mass = mass
+
+    def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
+        out = super().attend(layer, query, keys, values, scaling)
+        all_keys, _ = self.kv.gather(layer, torch.arange(self.end, device=self.device))   # [1, Hkv, end, D]
+        all_keys = all_keys.repeat_interleave(query.shape[1] // all_keys.shape[1], 1)
+        scores = (query.float() @ all_keys.float().transpose(-1, -2)) * scaling          # [1, H, A, end]
+        visible = explicit_mask(self.positions.to(self.device), self.end, self.layer_windows[layer])
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        self.mass += weights.sum((0, 1, 2)).to(self.mass.device) / query.shape[2]
+        return out
 
 
 def explicit_mask(q_positions: torch.Tensor, end: int, window: int | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from .arch import ModelAdapter
-from .attention import ATTENTION_NAME, AttentionStep, ScatterStep
+from .attention import ATTENTION_NAME, AttentionStep, BatchStep, ProbeStep, ScatterStep
 
 
 class TokenSelector(Protocol):
@@ -72,3 +72,48 @@ class Forward:
                 hidden, positions = hidden[:, keep], positions[keep]
                 masks = {}
         return a.logits_last(hidden)
+
+    @torch.inference_mode()
+    def attention_mass(self, kv, token_ids: list[int], positions: torch.Tensor, end: int, layers: int) -> torch.Tensor:
+        """Run the tokens at `positions` through the first `layers` layers over the KV in `kv` (their
+        own KV is written) and return the attention they pay to each position: [end] (fp32)."""
+        a = self.adapter
+        positions = positions.to(a.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=a.device)[positions][None]   # [1, A]
+        hidden = a.embed(ids)
+        mass = torch.zeros(end, dtype=torch.float32)
+        masks: dict = {}
+        for layer_idx in range(min(layers, len(a.layers))):
+            step = ProbeStep(kv, positions, end, a.layer_windows, mass, masks)
+            rope = a.position_embeddings(hidden, positions[None])
+            hidden = a.run_layer(layer_idx, hidden, rope, positions[None], step)
+        return mass
+
+    @torch.inference_mode()
+    def batch(self, items: list[tuple], want_logits: list[bool]) -> list:
+        """One forward over several sequences: items are (kv, token_ids, start); returns the logits
+        [vocab] (fp32) after each item's last token where `want_logits`, else None. The weights are
+        read once for all of them; each sequence attends over its own KV. A single item takes the
+        single-sequence path (the same numbers as before batching)."""
+        if len(items) == 1:
+            kv, token_ids, start = items[0]
+            return [self(kv, token_ids, start)]
+        a = self.adapter
+        rows, steps, positions, lo = [], [], [], 0
+        for kv, token_ids, start in items:
+            end = start + len(token_ids)
+            rows.append((lo, lo + len(token_ids)))
+            steps.append(AttentionStep(kv, start, end, a.layer_windows))
+            positions.append(torch.arange(start, end, device=a.device))
+            lo += len(token_ids)
+        ids = torch.tensor([[t for _, token_ids, _ in items for t in token_ids]], dtype=torch.long,
+                           device=a.device)                                                 # [1, T]
+        positions = torch.cat(positions)[None]                                              # [1, T]
+        hidden = a.embed(ids)                                                               # [1, T, hidden]
+        rope = a.position_embeddings(hidden, positions)
+        step = BatchStep(steps, rows)
+        for layer_idx in range(len(a.layers)):
+            hidden = a.run_layer(layer_idx, hidden, rope, positions, step)
+        wanted = [hi - 1 for (_, hi), want in zip(rows, want_logits) if want]
+        logits = iter(a.logits_at(hidden, wanted)) if wanted else iter(())
+        return [next(logits) if want else None for want in want_logits]

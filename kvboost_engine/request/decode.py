@@ -1,9 +1,13 @@
-"""One request, start to end: lookup -> load reused KV -> prefill -> decode -> store.
+"""One request's decoding, token by token, on the scheduler thread: sampling (with its constraint),
+text deltas with stop strings, and storing the KV of the prompt and of the reply.
 
-Written once as a generator of text deltas; non-streaming calls aggregate it.
+The caller reads the request's deltas from its Channel (written once: streaming and non-streaming
+calls both read it). Cancelling (from any thread) stops the request before its next token, and its
+blocks are freed at once.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -14,7 +18,7 @@ from ..instrument import FirstTokenEvent, Instruments
 from ..model.arch import ModelAdapter
 from .detok import TextAssembler
 from .generation import Generation
-from .prefill import Prefilled, PrefillParts, prefill
+from .prefill import Prefilled, PrefillParts
 from .sampling import Sampler, SamplingParams
 from .tokens import PromptTokenizer, TokenizedPrompt
 
@@ -56,90 +60,141 @@ def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto
                                       chunk_kinds=kinds if indexed else None)
 
 
-def prefill_prompt(parts: EngineParts, prompt: TokenizedPrompt, new_tokens: int) -> Prefilled:
-    return prefill(parts.prefill, prompt, new_tokens)
+class Channel:
+    """Deltas, then the Generation (or an error), from the scheduler thread to the caller."""
 
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
-def run_request(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingParams, cancel: threading.Event,
-                on_done: Callable[[Generation], None] = lambda gen: None,
-                constraint=None) -> Generator[str, None, Generation]:
-    """Text deltas of one request; returns its Generation. `on_done(gen)` runs however the request
-    ends (finished, cancelled, closed early, failed), once."""
-    started = time.perf_counter()
-    gen = Generation(prompt_tokens=len(prompt))
-    try:
-        done = prefill_prompt(parts, prompt, params.max_new_tokens)
-        yield from _decode(parts, prompt, params, cancel, constraint, done, gen, started)
-    except GeneratorExit:
-        gen.finish_reason = "cancelled"
-        raise
-    except BaseException:
-        gen.finish_reason = gen.finish_reason or "error"
-        raise
-    finally:
-        gen.total_s = time.perf_counter() - started
-        on_done(gen)
-    return gen
+    def delta(self, text: str) -> None:
+        self._queue.put(("delta", text))
 
+    def done(self, gen: Generation) -> None:
+        self._queue.put(("done", gen))
 
-def _decode(parts: EngineParts, prompt: TokenizedPrompt, params: SamplingParams, cancel: threading.Event,
-            constraint, done: Prefilled, gen: Generation, started: float) -> Generator[str, None, None]:
-    n = len(prompt)
-    sampler = Sampler(params, parts.adapter.device, parts.eos_ids)
-    text = TextAssembler(parts.tokenizer, params.stop, params.skip_special_tokens)
-    kv = done.sequence
-    valid, exact_upto = n, done.exact_upto          # KV positions computed / equal to a full prefill
-    try:
-        gen.reused_exact, gen.reused_moved = done.reused_exact, done.reused_moved
-        gen.reused_tokens = done.reused_exact + done.reused_moved
-        gen.recomputed = done.recomputed
-        token = _next_token(sampler, done.logits, constraint, 0)
-        gen.ttft_s = time.perf_counter() - started
-        if parts.instruments.active:
-            parts.instruments.emit(FirstTokenEvent(done.logits, n))
-        store(parts, prompt, kv, n, exact_upto)
-        gen.finish_reason = "length"
+    def error(self, err: BaseException) -> None:
+        self._queue.put(("error", err))
+
+    def events(self) -> Generator[str, None, Generation]:
+        """The caller's side: text deltas; returns the Generation."""
         while True:
-            gen.token_ids.append(token)
-            if token in parts.eos_ids:
-                gen.finish_reason = "stop"
-                break
-            delta = text.add(token)
-            if delta:
-                yield delta
-            if text.stopped_at is not None or (constraint is not None and constraint.is_finished()):
-                gen.finish_reason = "stop"
-                break
-            if len(gen.token_ids) >= params.max_new_tokens:
-                break
-            if cancel.is_set():
-                gen.finish_reason = "cancelled"
-                break
-            logits = parts.prefill.runner.forward(kv, [token], valid, "decode")
-            valid += 1
-            token = _next_token(sampler, logits, constraint, len(gen.token_ids))
-        tail = text.finish()
-        if tail:
-            yield tail
-    finally:
+            kind, value = self._queue.get()
+            if kind == "delta":
+                yield value
+            elif kind == "done":
+                return value
+            else:
+                raise value
+
+
+@dataclass(slots=True)
+class Request:
+    """A request as submitted: what to run and where its results go."""
+
+    prompt: TokenizedPrompt
+    params: SamplingParams
+    cancel: threading.Event
+    channel: Channel
+    on_done: Callable[[Generation], None]
+    constraint: object = None
+    started: float = 0.0
+
+
+class Decoding:
+    """A request from its first token to its end."""
+
+    def __init__(self, parts: EngineParts, request: Request, done: Prefilled):
+        self.parts, self.request = parts, request
+        self.gen = Generation(prompt_tokens=len(request.prompt))
+        self.sampler = Sampler(request.params, parts.adapter.device, parts.eos_ids)
+        self.text = TextAssembler(parts.tokenizer, request.params.stop, request.params.skip_special_tokens)
+        self.kv, self.n = done.sequence, len(request.prompt)
+        self.valid, self.exact_upto = self.n, done.exact_upto    # KV positions computed / equal to a full prefill
+        self.token: int | None = None
+        self.finished = False
+        g = self.gen
+        g.reused_exact, g.reused_moved, g.recomputed = done.reused_exact, done.reused_moved, done.recomputed
+        g.reused_tokens = done.reused_exact + done.reused_moved
+
+    def begin(self, done: Prefilled) -> None:
+        """The prompt is computed: choose the first token, store the prompt's KV."""
+        self.token = self._choose(done.logits)
+        self.gen.ttft_s = time.perf_counter() - self.request.started
+        if self.parts.instruments.active:
+            self.parts.instruments.emit(FirstTokenEvent(done.logits, self.n))
+        store(self.parts, self.request.prompt, self.kv, self.n, self.exact_upto)
+        self._take()
+
+    def next_input(self) -> tuple:
+        """(kv, [token], position) for the forward that yields the next token."""
+        return self.kv, [self.token], self.valid
+
+    def advance(self, logits) -> None:
+        """The forward of `next_input` ran: choose the next token."""
+        self.valid += 1
+        self.token = self._choose(logits)
+        self._take()
+
+    def _choose(self, logits) -> int:
+        constraint = self.request.constraint
+        if constraint is not None:
+            logits = constraint.mask(logits)
+        token = self.sampler(logits, len(self.gen.token_ids))
+        if constraint is not None:
+            if logits[token] == float("-inf"):
+                raise InputError("the constraint allows no token here (its grammar cannot continue)")
+            constraint.advance(token)
+        return token
+
+    def _take(self) -> None:
+        """The chosen token joins the reply; stop if it ends it."""
+        gen, token = self.gen, self.token
+        gen.token_ids.append(token)
+        if token in self.parts.eos_ids:
+            return self.finish("stop")
+        delta = self.text.add(token)
+        if delta:
+            self.request.channel.delta(delta)
+        constraint = self.request.constraint
+        if self.text.stopped_at is not None or (constraint is not None and constraint.is_finished()):
+            return self.finish("stop")
+        if len(gen.token_ids) >= self.request.params.max_new_tokens:
+            return self.finish("length")
+        if self.request.cancel.is_set():
+            return self.finish("cancelled")
+
+    def finish(self, reason: str) -> None:
+        """End the request: store the reply's KV, free the sequence, hand over the Generation."""
+        if self.finished:
+            return
+        self.finished = True
+        gen = self.gen
+        gen.finish_reason = reason
         try:
-            if valid > n:       # decode KV of the reply extends an exact prompt exactly
-                store(parts, prompt, kv, valid, valid if exact_upto >= n else exact_upto, gen.token_ids[:valid - n])
+            tail = self.text.finish()
+            if tail:
+                self.request.channel.delta(tail)
+            if self.valid > self.n:     # decode KV of the reply extends an exact prompt exactly
+                exact = self.valid if self.exact_upto >= self.n else self.exact_upto
+                store(self.parts, self.request.prompt, self.kv, self.valid, exact, gen.token_ids[:self.valid - self.n])
         finally:
-            kv.release()
-    gen.text = text.final_text
-    _remember_reply(parts, gen, text)
+            self.kv.release()
+        gen.text = self.text.final_text
+        _remember_reply(self.parts, gen, self.text)
+        gen.total_s = time.perf_counter() - self.request.started
+        self.request.on_done(gen)
+        self.request.channel.done(gen)
 
-
-def _next_token(sampler: Sampler, logits, constraint, generated: int) -> int:
-    if constraint is not None:
-        logits = constraint.mask(logits)
-    token = sampler(logits, generated)
-    if constraint is not None:
-        if logits[token] == float("-inf"):
-            raise InputError("the constraint allows no token here (its grammar cannot continue)")
-        constraint.advance(token)
-    return token
+    def fail(self, err: BaseException) -> None:
+        """End the request with an error (the caller sees it raised)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.gen.finish_reason = "error"
+        self.kv.release()
+        self.gen.total_s = time.perf_counter() - self.request.started
+        self.request.on_done(self.gen)
+        self.request.channel.error(err)
 
 
 def _remember_reply(parts: EngineParts, gen: Generation, text: TextAssembler) -> None:

@@ -59,7 +59,8 @@ class GenerationStream(Iterator[str]):
     """Iterates text deltas. After the last one, `.generation` holds the full result.
 
     `cancel()` (from any thread) stops decoding before the next token; `close()` does the same
-    from the consuming side. Either way the KV computed so far is stored consistently.
+    from the consuming side and returns once the request has ended. Either way the KV computed so
+    far is stored consistently.
     """
 
     def __init__(self, run: Generator[str, None, Generation], cancel_event: threading.Event):
@@ -78,8 +79,17 @@ class GenerationStream(Iterator[str]):
         self._cancel.set()
 
     def close(self) -> None:
+        """Stop the request and wait until it has ended (its KV stored, its blocks freed)."""
         self._cancel.set()
-        self._run.close()
+        if self.generation is not None:
+            return
+        try:
+            while True:
+                next(self._run)
+        except StopIteration as done:
+            self.generation = done.value
+        except Exception:  # noqa: BLE001 - the caller left; a late error has no one to go to
+            pass
 
     def __enter__(self):
         return self

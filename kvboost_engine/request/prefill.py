@@ -20,17 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.arch import ModelAdapter
-from .blend import Selector
-from .runner import ModelRunner
-from ..kv.cache import ChunkCache, Match
 from ..config import EngineConfig
 from ..errors import BudgetError
+from ..kv.cache import ChunkCache, Match
 from ..kv.contiguous import SequenceKV
 from ..kv.paged import PagedSequence
-from ..model.rope import RopeMover
-from .tokens import TokenizedPrompt
 from ..kv.tree import KVSpan
+from ..model.arch import ModelAdapter
+from ..model.rope import RopeMover
+from .blend import repair_moved
+from .runner import ModelRunner
+from .tokens import TokenizedPrompt
 
 
 @dataclass(slots=True)
@@ -54,19 +54,59 @@ class PrefillParts:
     config: EngineConfig
 
 
+@dataclass(slots=True)
+class Assembled:
+    """A request's sequence with its reused KV in place (exact prefix mapped, moved spans loaded),
+    before anything is computed; the caller owns `sequence` (release it on failure)."""
+
+    prompt: TokenizedPrompt
+    sequence: object
+    match: Match
+    moved: list[KVSpan]
+
+    @property
+    def start(self) -> int:
+        """First position to compute (when nothing moved: the rest is plain prefill)."""
+        return self.match.length
+
+
 def prefill(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int) -> Prefilled:
     """Build a sequence for prompt + `new_tokens`, reusing what the cache has; compute the rest."""
+    assembled = assemble(parts, prompt, new_tokens)
     try:
-        sequence, match, moved = _assemble(parts, prompt, new_tokens, use_moved=True)
+        if assembled.moved:
+            return repair(parts, assembled)
+        return prefilled(assembled, _chunked(parts, assembled.sequence, prompt.token_ids, assembled.start))
+    except BaseException:
+        assembled.sequence.release()
+        raise
+
+
+def assemble(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int) -> Assembled:
+    """Reserve the KV of prompt + `new_tokens` and put in place what the cache has (BudgetError
+    if the pool cannot hold it even after evicting cached chunks)."""
+    try:
+        return Assembled(prompt, *_assemble(parts, prompt, new_tokens, use_moved=True))
     except _MovedSourcesHeldTheRoom:
         # The moved spans' source blocks, held while the sequence is built, were what was missing:
         # a request that fits the pool alone runs, with those tokens recomputed instead.
-        sequence, match, moved = _assemble(parts, prompt, new_tokens, use_moved=False)
-    try:
-        return _compute(parts, prompt, sequence, match, moved)
-    except BaseException:
-        sequence.release()
-        raise
+        return Assembled(prompt, *_assemble(parts, prompt, new_tokens, use_moved=False))
+
+
+def prefilled(assembled: Assembled, logits: torch.Tensor, recomputed: int = 0) -> Prefilled:
+    """The result of a prefill whose new tokens were computed: what the KV is made of."""
+    match, moved, n = assembled.match, assembled.moved, len(assembled.prompt)
+    reused_exact = sum(s.length for s in match.spans if s.exact)
+    exact_upto = next((s.start for s in match.spans if not s.exact), moved[0].start if moved else n)
+    reused_moved = match.length - reused_exact + sum(s.length for s in moved)
+    return Prefilled(assembled.sequence, logits, reused_exact, reused_moved, recomputed, exact_upto)
+
+
+def repair(parts: PrefillParts, assembled: Assembled) -> Prefilled:
+    """Compute the new tokens of a prompt with moved spans (and, for blend, the selected moved ones)."""
+    logits, recomputed = repair_moved(parts.runner, parts.config, len(parts.adapter.layers), assembled.prompt,
+                                      assembled.sequence, assembled.start, assembled.moved)
+    return prefilled(assembled, logits, recomputed)
 
 
 class _MovedSourcesHeldTheRoom(Exception):
@@ -164,20 +204,6 @@ def _load_moved(parts: PrefillParts, sequence, span: KVSpan) -> None:
     sequence.load(kv, span.start)
 
 
-def _compute(parts: PrefillParts, prompt: TokenizedPrompt, sequence, match: Match, moved: list[KVSpan]) -> Prefilled:
-    n = len(prompt)
-    prefix_len = match.length
-    reused_exact = sum(s.length for s in match.spans if s.exact)
-    exact_upto = next((s.start for s in match.spans if not s.exact), moved[0].start if moved else n)
-    reused_moved = prefix_len - reused_exact + sum(s.length for s in moved)
-    recomputed = 0
-    if not moved:
-        logits = _chunked(parts, sequence, prompt.token_ids, prefix_len)
-    else:
-        logits, recomputed = _repair(parts, prompt, sequence, prefix_len, moved)
-    return Prefilled(sequence, logits, reused_exact, reused_moved, recomputed, exact_upto)
-
-
 def _chunked(parts: PrefillParts, sequence, token_ids: list[int], start: int) -> torch.Tensor:
     """Compute token_ids[start:] in pieces of prefill_chunk_tokens (bounded activation and mask
     memory; other requests' decode steps can run between pieces)."""
@@ -186,22 +212,3 @@ def _chunked(parts: PrefillParts, sequence, token_ids: list[int], start: int) ->
     for begin in range(start, len(token_ids), chunk):
         logits = parts.runner.forward(sequence, token_ids[begin:begin + chunk], begin, "prefill")
     return logits
-
-
-def _repair(parts: PrefillParts, prompt: TokenizedPrompt, kv, prefix_len: int,
-            moved: list[KVSpan]) -> tuple[torch.Tensor, int]:
-    """Compute new tokens (and, for blend, selected moved tokens). Returns (logits, moved tokens recomputed)."""
-    n = len(prompt)
-    is_moved = torch.zeros(n, dtype=torch.bool)
-    is_head = torch.zeros(n, dtype=torch.bool)
-    for span in moved:
-        is_moved[span.start:span.start + span.length] = True
-        is_head[span.start:span.start + parts.config.recompute_head_tokens] = True
-    positions = torch.arange(prefix_len, n)
-    if parts.config.moved_reuse == "none":
-        positions = positions[~is_moved[prefix_len:]]
-        return parts.runner.scattered(kv, prompt.token_ids, positions, n), 0
-    layer = min(parts.config.check_layer, len(parts.adapter.layers) - 1)
-    selector = Selector(is_moved[positions], is_head[positions], parts.config.recompute_ratio, layer)
-    logits = parts.runner.scattered(kv, prompt.token_ids, positions, n, selector)
-    return logits, selector.recomputed_moved

@@ -11,7 +11,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 from .chat_models import ChatKVBoost
 from .llms import KVBoostLLM
 from .messages import document_block
-from .rag import document_blocks, document_messages, retrieval_messages
+from .rag import document_blocks, document_messages, retrieval_messages, warm_documents
 
 __all__ = ["ChatKVBoost", "KVBoostLLM", "document_block", "document_blocks", "document_messages",
-           "retrieval_messages"]
+           "retrieval_messages", "warm_documents"]

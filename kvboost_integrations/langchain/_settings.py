@@ -1,7 +1,7 @@
 """Settings both LangChain classes share: which engine, and how to sample."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -38,6 +38,10 @@ class KVBoostSettings(BaseModel):
     """Documents found cached at another position: None/"full" (default: exact reuse only, replies
     identical to no cache), "blend" (approximate: re-rotated and partly recomputed; faster, changes
     some answers, see the README), "none" (re-rotated only)."""
+    document_order: Literal["relevance", "cache"] = "relevance"
+    """With "cache", documents given as content blocks that continue a cached prefix go first (exact
+    reuse, no approximation; see `Engine.order_documents`); the others keep their order.
+    `response_metadata["documents_from_cache"]` says how many were placed so."""
     engine_kwargs: dict[str, Any] | None = None
     """Any other option of `Engine.from_pretrained` (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."""
     temperature: float = 0.0

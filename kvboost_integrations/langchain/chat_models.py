@@ -66,17 +66,19 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         reply = _Reply(self.model_name)
 
         def start() -> GenerationStream:     # runs in the worker thread for async calls
-            stream = self._open(messages, tools, choice, response_format, params)
+            stream = self._open(messages, tools, choice, response_format, params, reply)
             reply.splitter = ToolCallSplitter(tool_format(self.get_engine().tokenizer) if tools else None)
             return stream
 
         return start, reply
 
     def _open(self, messages: list[BaseMessage], tools: list[dict], choice: str, response_format,
-              params: dict) -> GenerationStream:
+              params: dict, reply: "_Reply") -> GenerationStream:
         engine = self.get_engine()
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
+        if self.document_order == "cache":
+            chat, reply.documents_from_cache = engine.order_documents(chat)
         constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if response_format is not None:
             return engine.stream_chat(chat, constraint=response_constraint(response_format), **constrained)
@@ -169,6 +171,7 @@ class _Reply:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.splitter = ToolCallSplitter(None)      # replaced when the request starts
+        self.documents_from_cache: int | None = None
 
     def chunk(self, item: str | Generation) -> ChatGenerationChunk | None:
         if isinstance(item, str):
@@ -177,9 +180,11 @@ class _Reply:
         rest, calls = self.splitter.finish(cut=item.finish_reason != "stop")
         calls = tool_call_chunks(calls)
         finish = "tool_calls" if calls else item.finish_reason
+        metadata = response_metadata(item, self.model_name, finish)
+        if self.documents_from_cache is not None:
+            metadata["documents_from_cache"] = self.documents_from_cache
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
-                                 response_metadata=response_metadata(item, self.model_name, finish),
-                                 chunk_position="last")
+                                 response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})
 
 

@@ -52,6 +52,14 @@ def document_messages(system: str = DEFAULT_SYSTEM, *, question_key: str = "ques
     return RunnableLambda(build, name="DocumentMessages")
 
 
+def warm_documents(llm, documents: Sequence[Document | str], system: str = DEFAULT_SYSTEM) -> int:
+    """Compute and cache each document where `document_messages(system)` will put it first: a later
+    prompt with that document first reuses it exactly (with `ChatKVBoost(document_order="cache")`,
+    any warmed document can go first). Call it at indexing time; returns the tokens cached."""
+    texts = [d.page_content if isinstance(d, Document) else str(d) for d in documents]
+    return llm.get_engine().warm_documents(texts, system=system)
+
+
 def retrieval_messages(retriever: Runnable, system: str = DEFAULT_SYSTEM, **options) -> Runnable[str, ChatPromptValue]:
     """A runnable: question -> retrieve -> messages with one block per retrieved document."""
     gather = RunnableParallel({"context": retriever, "question": RunnablePassthrough()})

@@ -15,6 +15,7 @@ from .messages import DOCUMENT_BLOCKS, ModelTokenizer, document_message, to_engi
 from .query import as_query_engine, prompt_helper
 from .synthesizer import KVBoostSynthesizer
 from .telemetry import ReuseRecorder
+from .warming import WarmNodes
 
-__all__ = ["KVBoost", "KVBoostSynthesizer", "as_query_engine", "prompt_helper", "ReuseRecorder", "ModelTokenizer",
+__all__ = ["KVBoost", "KVBoostSynthesizer", "WarmNodes", "as_query_engine", "prompt_helper", "ReuseRecorder", "ModelTokenizer",
            "DOCUMENT_BLOCKS", "document_message", "to_engine_messages"]

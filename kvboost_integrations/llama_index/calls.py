@@ -31,8 +31,10 @@ class EngineCall:
 
     def __init__(self, get_engine: Callable[[], Engine], params: dict, *, chat: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
-                 tool_choice: str = "auto", grammar: Grammar | None = None):
+                 tool_choice: str = "auto", grammar: Grammar | None = None, document_order: str = "relevance"):
         assert (chat is None) != (prompt is None)
+        self.document_order = document_order
+        self._documents_from_cache: int | None = None
         self._get_engine = get_engine
         self.params = params
         self.chat = chat
@@ -66,6 +68,8 @@ class EngineCall:
             if self.tool_choice != "auto":
                 params["constraint"] = fmt.forced_call(forced_tools(self.tools, self.tool_choice))
         if _has_documents(messages):
+            if self.document_order == "cache":
+                messages, self._documents_from_cache = engine.order_documents(messages)
             self._layout = engine.encode_messages(messages, **template_kwargs)
         return engine.stream_chat(messages, template_kwargs=template_kwargs or None, **_without_stop(params))
 
@@ -74,6 +78,8 @@ class EngineCall:
         data = {**generation_metadata(gen, self._model_name), "total_tokens": gen.prompt_tokens + gen.completion_tokens}
         if self._layout is not None:
             data.update(document_reuse(self._layout, gen))
+        if self._documents_from_cache is not None:
+            data["documents_from_cache"] = self._documents_from_cache
         return data
 
     def events(self) -> Iterator[str | Generation]:

@@ -35,6 +35,7 @@ from .tools import (chat_messages, keep_first_call, parse_structured, tool_choic
 
 dispatcher = get_dispatcher(__name__)
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+DOCUMENT_ORDERS = ("relevance", "cache")
 
 
 class KVBoost(FunctionCallingLLM):
@@ -77,6 +78,9 @@ class KVBoost(FunctionCallingLLM):
     moved_reuse: Optional[str] = Field(default=None, description=(
         "Documents cached at another position: None/'full' (default: exact reuse only, replies identical to no "
         "cache), 'blend' (approximate: faster, changes some answers; see the README), 'none'."))
+    document_order: str = Field(default="relevance", description=(
+        "'cache': document parts that continue a cached prefix go first (exact reuse; see "
+        "Engine.order_documents); the others keep their order. Also a per-call keyword."))
     engine_kwargs: Optional[Dict[str, Any]] = Field(default=None, description=(
         "Any other option of Engine.from_pretrained (kv_pool_bytes, disk_cache_dir, recompute_ratio, ...)."))
 
@@ -149,9 +153,12 @@ class KVBoost(FunctionCallingLLM):
         specs = tool_specs(kwargs.pop("tools", None) or [])
         choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"
         grammar = kwargs.pop("constraint", None)
+        order = kwargs.pop("document_order", None) or self.document_order
+        if order not in DOCUMENT_ORDERS:
+            raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")
         return EngineCall(lambda: self.engine, self._params(kwargs), chat=list(messages),
                           template_kwargs=self.template_kwargs, tools=specs if choice != "none" else None,
-                          tool_choice=choice, grammar=grammar)
+                          tool_choice=choice, grammar=grammar, document_order=order)
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
         """`formatted` prompts (or a custom completion_to_prompt) go in as plain text; otherwise

@@ -27,11 +27,12 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore
 
 from .llm import KVBoost
+from .messages import to_engine_messages
 from .packing import fit_texts, pack, template_messages
 from .telemetry import SynthesisTelemetry
 
 MODES = ("compact", "refine", "tree_summarize")
-NODE_ORDERS = ("retrieved", "source")
+NODE_ORDERS = ("retrieved", "source", "cache")
 
 
 @dataclass
@@ -52,8 +53,10 @@ class KVBoostSynthesizer(BaseSynthesizer):
     or through `as_query_engine(index, llm)`. `response.metadata["kvboost"]` holds the reuse
     telemetry of all LLM calls (filled when a streamed response ends).
 
-    node_order: "retrieved" (as the retriever ranked them) or "source" (by document and
-        position: the same nodes then always give the same prompt, reused exactly).
+    node_order: "retrieved" (as the retriever ranked them), "source" (by document and
+        position: the same nodes then always give the same prompt, reused exactly), or "cache"
+        (nodes that continue a cached prefix first, the rest as retrieved: see
+        Engine.order_documents; `metadata["kvboost"]["documents_from_cache"]` counts them).
     """
 
     def __init__(self, llm: Optional[KVBoost] = None, response_mode: str = "compact", *,
@@ -114,7 +117,7 @@ class KVBoostSynthesizer(BaseSynthesizer):
         return await self._adrive(plan, kvboost_telemetry or SynthesisTelemetry(), kwargs)
 
     def _ordered(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
-        if self._node_order == "retrieved":
+        if self._node_order in ("retrieved", "cache"):             # "cache" reorders per call, in the LLM
             return list(nodes)
         return sorted(nodes, key=lambda n: (n.node.ref_doc_id or "", n.node.start_char_idx or 0, n.node.node_id))
 
@@ -181,13 +184,31 @@ class KVBoostSynthesizer(BaseSynthesizer):
                                      mark_documents=isinstance(self._llm, KVBoost), **step.kwargs)
         return self._llm._extend_messages(messages)
 
+    def _call_kwargs(self, kwargs: dict) -> dict:
+        if self._node_order == "cache" and isinstance(self._llm, KVBoost):
+            return {**kwargs, "document_order": "cache"}
+        return kwargs
+
+    def warm(self, nodes, query_str: str = "") -> int:
+        """Cache each node where this synthesizer's question-answering prompt puts a first node (the
+        layout up to the node is the same whatever the question), so later calls whose first node it
+        is reuse it exactly (with node_order="cache", any warmed node can go first). Returns tokens cached."""
+        if not isinstance(self._llm, KVBoost):
+            raise TypeError("warm() needs the KVBoost LLM")
+        total = 0
+        for node in nodes:
+            text = node.node.get_content() if isinstance(node, NodeWithScore) else getattr(node, "get_content", lambda: node)()
+            step = _Step(self._text_qa_template, "context_str", [text], {"query_str": query_str})
+            total += self._llm.engine.warm(to_engine_messages(self._messages(step)))
+        return total
+
     # ---- drivers ------------------------------------------------------------------------------
     def _drive(self, plan: Generator[_Step, str, None], telemetry: SynthesisTelemetry, kwargs: dict):
         step = next(plan)
         while True:
             if step.final and self._streaming:
-                return telemetry.tokens(self._llm.stream_chat(self._messages(step), **kwargs))
-            response = self._llm.chat(self._messages(step), **kwargs)
+                return telemetry.tokens(self._llm.stream_chat(self._messages(step), **self._call_kwargs(kwargs)))
+            response = self._llm.chat(self._messages(step), **self._call_kwargs(kwargs))
             telemetry.add(response.raw)
             answer = response.message.content or ""
             if step.final:
@@ -198,8 +219,8 @@ class KVBoostSynthesizer(BaseSynthesizer):
         step = next(plan)
         while True:
             if step.final and self._streaming:
-                return telemetry.atokens(await self._llm.astream_chat(self._messages(step), **kwargs))
-            response = await self._llm.achat(self._messages(step), **kwargs)
+                return telemetry.atokens(await self._llm.astream_chat(self._messages(step), **self._call_kwargs(kwargs)))
+            response = await self._llm.achat(self._messages(step), **self._call_kwargs(kwargs))
             telemetry.add(response.raw)
             answer = response.message.content or ""
             if step.final:

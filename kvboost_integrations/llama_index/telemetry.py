@@ -9,7 +9,7 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
 
 _SUMMED = ("prompt_tokens", "reused_tokens", "reused_exact", "reused_moved", "recomputed",
-           "completion_tokens", "document_tokens", "document_tokens_reused")
+           "completion_tokens", "document_tokens", "document_tokens_reused", "documents_from_cache")
 
 
 class SynthesisTelemetry:
