@@ -148,3 +148,32 @@ def test_logits_beyond_the_tokenizer_are_never_chosen(smol):
     engine = Engine(model, smol[1], cache_bytes=0)
     gen = engine.chat(ASK, constraint=Choice(["left", "right"]), max_new_tokens=8)
     assert gen.text in ("left", "right") and max(gen.token_ids) < 49152
+
+
+class _DeadEnd:
+    """A constraint that allows nothing: its request must fail alone."""
+
+    def mask(self, logits):
+        return torch.full_like(logits, float("-inf"))
+
+    def advance(self, token):
+        raise AssertionError("never reached")
+
+    def is_finished(self):
+        return False
+
+
+def test_constrained_and_free_requests_batch_together_with_their_solo_results(grammar_engine):
+    asks = [(ASK, JsonSchema(PET)), ([{"role": "user", "content": "Say hi."}], None),
+            ([{"role": "user", "content": "Pick a side."}], Choice(["left", "right"])),
+            ([{"role": "user", "content": "Count to three."}], Regex(r"[0-9, ]{1,12}"))]
+    solo = [grammar_engine.chat(m, constraint=c, max_new_tokens=40).token_ids for m, c in asks]
+    dead = grammar_engine.stream_chat(ASK, constraint=_DeadEnd(), max_new_tokens=8)
+    streams = [grammar_engine.stream_chat(m, constraint=c, max_new_tokens=40) for m, c in asks]   # all queued
+    with pytest.raises(InputError, match="allows no token"):
+        list(dead)
+    for stream in streams:
+        list(stream)
+    assert [s.generation.token_ids for s in streams] == solo
+    jsonschema.validate(json.loads(streams[0].generation.text), PET)
+    assert streams[2].generation.text in ("left", "right")
