@@ -10,6 +10,7 @@ import time
 import torch
 
 from .config import DEFAULT_CACHE_BYTES, DEFAULT_CHUNK_TOKENS, EngineConfig
+from .constrained import Grammar, GrammarCompiler, GrammarConstraint, LogitsConstraint
 from .errors import InputError, KVBoostError
 from .instrument import Instruments
 from .kv.cache import ChunkCache
@@ -29,7 +30,7 @@ from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
-                     pool_for, resolve_dtype, weight_stats)
+                     logits_size, pool_for, resolve_dtype, weight_stats)
 
 
 class Engine:
@@ -67,6 +68,7 @@ class Engine:
         prefill_parts = PrefillParts(adapter, runner, self.cache, RopeMover(adapter), self.config)
         self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),
                                   self.instruments)
+        self._grammars = GrammarCompiler(tokenizer, logits_size(model, tokenizer), self._parts.eos_ids)
         c = self.config
         self._scheduler = Scheduler(self._parts, max_running=c.max_running, max_waiting=c.max_waiting,
                                     max_batch_tokens=c.max_batch_tokens or c.prefill_chunk_tokens,
@@ -117,7 +119,9 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------
     def chat(self, messages, **params) -> Generation:
         """Answer OpenAI-style `messages`; params: max_new_tokens, min_new_tokens, temperature, top_p,
-        top_k, stop, seed, constraint (a `constrained.LogitsConstraint` for this request)."""
+        top_k, stop, seed, skip_special_tokens (default True: special tokens are not part of the
+        text), constraint (a `constrained.Grammar` such as `JsonSchema(schema)`, compiled before any
+        decoding, or any `constrained.LogitsConstraint`; not together with stop strings)."""
         return self.stream_chat(messages, **params).collect()
 
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:
@@ -139,6 +143,14 @@ class Engine:
         constraint = params.pop("constraint", None)
         sampling = SamplingParams.build(**params)
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
+        if constraint is not None:
+            if sampling.stop:
+                raise InputError("stop strings cannot be combined with a constraint: the grammar decides where "
+                                 "the output ends (a stop string could cut it short)")
+            constraint = self.constraint(constraint) if isinstance(constraint, Grammar) else constraint
+            if not isinstance(constraint, LogitsConstraint):
+                raise InputError("constraint must be a constrained.Grammar or a LogitsConstraint "
+                                 f"(mask, advance, is_finished), got {type(constraint).__name__}")
         request = Request(prompt, sampling, threading.Event(), Channel(), self._count, constraint, time.perf_counter())
         self._scheduler.submit(request)
         return GenerationStream(request.channel.events(), request.cancel)
@@ -151,6 +163,13 @@ class Engine:
             c["prompt_tokens"] += gen.prompt_tokens
             c["reused_tokens"] += gen.reused_tokens
             c["generated_tokens"] += gen.completion_tokens
+
+    def constraint(self, grammar: Grammar) -> GrammarConstraint:
+        """Compile a grammar (`constrained.JsonSchema`, `AnyJson`, `Regex`, `Choice`, `Lark`,
+        `TaggedJson`) with this engine's tokenizer into a constraint for one request. Raises
+        InputError naming what cannot be enforced (an unsupported schema keyword, a look-around
+        in a pattern...). The first call builds the grammar tokenizer (about a second)."""
+        return self._grammars.compile(grammar)
 
     def next_token_logits(self, prompt=None, *, messages=None, template_kwargs: dict | None = None) -> torch.Tensor:
         """Logits [vocab] (fp32) for the token after a prompt or messages, through the same

@@ -153,6 +153,16 @@ def eos_ids(model, tokenizer) -> frozenset:
     return frozenset(ids)
 
 
+def logits_size(model, tokenizer) -> int:
+    """Length of the model's logits: the output embedding's rows, else the configured vocabulary."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    config = getattr(model.config, "text_config", None) or model.config
+    return int(getattr(config, "vocab_size", None) or getattr(model.config, "vocab_size", None) or len(tokenizer))
+
+
 def weight_stats(model) -> dict:
     """Weight-format, AWQ loading and layer-streaming telemetry, when the model has them."""
     out = {}

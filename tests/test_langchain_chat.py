@@ -1,6 +1,6 @@
 """ChatKVBoost / KVBoostLLM behaviour: the complaints about other HF wrappers, one test each."""
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 
@@ -13,7 +13,8 @@ from kvboost_engine import Engine, Generation  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM, document_block  # noqa: E402
 from kvboost_integrations.langchain.chat_models import _Reply  # noqa: E402
 from kvboost_integrations.langchain.messages import to_engine_messages  # noqa: E402
-from kvboost_integrations.langchain.tools import ToolCallSplitter, parse_tool_calls  # noqa: E402
+from kvboost_integrations._toolcalls import HERMES, ToolCallSplitter  # noqa: E402
+from kvboost_integrations.langchain.tools import parse_tool_calls  # noqa: E402
 
 QUESTION = "Name three colours of the rainbow."
 
@@ -122,11 +123,13 @@ def test_messages_become_one_part_per_block_and_documents_are_marked():
     assert as_text[3] == {"role": "tool", "content": "2"}
     native = to_engine_messages(messages, native_tools=True)
     assert native[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
-    assert native[3]["tool_call_id"] == "c1"
+    assert native[3]["tool_call_id"] == native[2]["tool_calls"][0]["id"]
+    assert len(native[3]["tool_call_id"]) == 9 and native[3]["tool_call_id"].isalnum()    # Mistral's rule
 
 
 def test_streamed_tool_calls_are_held_back_and_parsed():
-    reply = _Reply("m", tools_active=True)
+    reply = _Reply("m")
+    reply.splitter = ToolCallSplitter(HERMES)
     deltas = ["Sure. <tool", '_call>\n{"name": "f", "arguments"', ': {"a": 1}}\n</tool_call>']
     chunks = [reply.chunk(d) for d in deltas] + [reply.chunk(Generation(finish_reason="stop"))]
     total = None
@@ -135,21 +138,28 @@ def test_streamed_tool_calls_are_held_back_and_parsed():
     assert total.content.strip() == "Sure."
     assert [(c["name"], c["args"]) for c in total.tool_calls] == [("f", {"a": 1})]
     assert total.response_metadata["finish_reason"] == "tool_calls"
-    assert parse_tool_calls("<tool_call>{bad json</tool_call>")[1][0]["name"] is None
-    plain = ToolCallSplitter(active=False)
+    assert parse_tool_calls("<tool_call>{bad json</tool_call>", HERMES)[1][0]["name"] is None
+    cut = _Reply("m")
+    cut.splitter = ToolCallSplitter(HERMES)
+    cut.chunk('<tool_call>\n{"name": "f", "arguments": {"a": 1')
+    last = cut.chunk(Generation(finish_reason="length")).message       # max_tokens cut the call short
+    assert last.tool_call_chunks == [] and last.content.startswith("<tool_call>")
+    assert last.response_metadata["finish_reason"] == "length"
+    plain = ToolCallSplitter(None)
     assert plain.feed("a <tool_call>") == "a <tool_call>"
 
 
 class Pet(BaseModel):
-    name: str = Field(description="the pet's name")
+    name: str = Field(description="the pet's name", max_length=20)
     kind: Literal["cat", "dog", "bird"]
     age: int = Field(ge=0, le=30)
     vaccinated: bool
-    toys: list[str]
+    # bounded: left open, the greedy 135M model repeats items (or words in a string) until max_tokens
+    toys: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
 
 
 def test_structured_output_is_valid_for_a_rich_schema(lc_engine):
-    llm = ChatKVBoost(engine=lc_engine, max_tokens=24)
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=80)
     pet = llm.with_structured_output(Pet).invoke("Describe a pet cat called Tom, aged 3, who loves balls.")
     assert isinstance(pet, Pet) and 0 <= pet.age <= 30
     raw = llm.with_structured_output(Pet.model_json_schema(), include_raw=True).invoke("Describe a dog.")
@@ -163,18 +173,19 @@ def test_structured_output_through_a_forced_tool_call(lc_engine):
         answer: str
         confident: bool
 
-    llm = ChatKVBoost(engine=lc_engine, max_tokens=8)
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=60)
     result = llm.with_structured_output(Answer, method="function_calling").invoke("Is the sky blue?")
     assert isinstance(result, Answer)
     with pytest.raises(ValueError, match="method"):
         llm.with_structured_output(Answer, method="xml")
 
 
-def test_structured_output_stays_valid_when_the_token_budget_runs_out(lc_engine):
+def test_a_token_budget_that_runs_out_is_reported_not_hidden(lc_engine):
     llm = ChatKVBoost(engine=lc_engine, max_tokens=3)
     raw = llm.with_structured_output(Pet, include_raw=True).invoke("Describe a pet.")
-    assert isinstance(raw["parsed"], Pet)
     assert raw["raw"].response_metadata["finish_reason"] == "length"
+    assert raw["parsed"] is None and raw["parsing_error"] is not None
+    assert raw["raw"].content.startswith("{")
 
 
 def test_forced_tool_call_picks_among_tools_and_fills_arguments(lc_engine):
@@ -186,7 +197,7 @@ def test_forced_tool_call_picks_among_tools_and_fills_arguments(lc_engine):
         """Add two integers."""
         return a + b
 
-    llm = ChatKVBoost(engine=lc_engine, max_tokens=16).bind_tools([get_weather, add], tool_choice="add")
+    llm = ChatKVBoost(engine=lc_engine, max_tokens=40).bind_tools([get_weather, add], tool_choice="add")
     message = llm.invoke("What is 2 plus 5?")
     assert message.content == "" and len(message.tool_calls) == 1
     call = message.tool_calls[0]
@@ -245,7 +256,7 @@ def test_tool_aware_templates_receive_tools_and_calls_natively(smol, monkeypatch
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
     rendered = tokenizer.decode(engine.encode_messages(messages, **template_kwargs).token_ids)
     assert 'Tools: [{"type": "function"' in rendered and '<tool_call>{"name": "add"' in rendered
-    forced = ChatKVBoost(engine=engine, max_tokens=6).bind_tools([add], tool_choice="any").invoke("Add 4 and 5.")
+    forced = ChatKVBoost(engine=engine, max_tokens=40).bind_tools([add], tool_choice="any").invoke("Add 4 and 5.")
     assert forced.tool_calls[0]["name"] == "add" and set(forced.tool_calls[0]["args"]) == {"a", "b"}
 
 

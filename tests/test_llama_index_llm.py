@@ -31,7 +31,7 @@ def llm(engine):
 def test_metadata_reports_the_model(llm, engine):
     meta = llm.metadata
     assert meta.context_window == engine.context_window == 8192
-    assert meta.num_output == 4 and meta.is_chat_model and not meta.is_function_calling_model
+    assert meta.num_output == 4 and meta.is_chat_model and meta.is_function_calling_model
     assert meta.model_name == engine.model_name
     assert KVBoost(engine=engine, context_window=2048).metadata.context_window == 2048
 
@@ -84,7 +84,7 @@ def test_stop_strings_and_per_call_overrides(llm, engine):
     assert stopped.message.content == free[:free.index(stop)]
     assert stopped.raw["kvboost"]["finish_reason"] == "stop"
     with pytest.raises(InputError, match="unknown arguments"):
-        llm.chat(HELLO, tools=[])
+        llm.chat(HELLO, frequency_penalty=1.0)
 
 
 def test_messages_keep_parts_and_documents():

@@ -151,3 +151,25 @@ def test_weights_table_states_deltas_failures_and_the_bound():
     assert "| int4 | 50.0 | 250.0 | 100 | 10.100 (+1.00%) | 9.000 (+0.00%) | 95 | 600 |" in text
     assert "| llama.cpp Q4_1 | 60.0 | - | - | - | - | - | 500 |" in text
     assert "failed: boom" in text and "215% of the bound" in text
+
+
+def test_generated_schemas_are_valid_deterministic_and_cover_the_asked_features():
+    import jsonschema
+
+    from benchmarks.micro.schemagen import SchemaGen, features
+    schemas = [SchemaGen(0).schema(i) for i in range(200)]
+    for schema in schemas:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    assert schemas[7] == SchemaGen(0).schema(7) and schemas[7] != SchemaGen(1).schema(7)
+    covered = set().union(*(features(s) for s in schemas))
+    assert covered >= {"nested objects", "arrays beyond 5 items", "optional properties", "nullable", "enum",
+                       "number bounds", "pattern", "maxLength"}
+
+
+def test_schema_benchmark_summary_counts_outcomes_and_speed():
+    from benchmarks.micro.schemas import summarize
+    records = [{"outcome": "valid", "tokens": 10}, {"outcome": "length", "tokens": 256},
+               {"outcome": "valid", "tokens": 20}]
+    summary = summarize(records, [{"ratio": 0.95}, {"ratio": 1.01}, {"ratio": 0.99}])
+    assert (summary["valid"], summary["length"], summary["invalid"]) == (2, 1, 0)
+    assert summary["valid_share_of_finished"] == 1.0 and summary["speed_ratio_median"] == 0.99

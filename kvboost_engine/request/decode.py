@@ -107,7 +107,7 @@ class Decoding:
         self.parts, self.request = parts, request
         self.gen = Generation(prompt_tokens=len(request.prompt))
         self.sampler = Sampler(request.params, parts.adapter.device, parts.eos_ids)
-        self.text = TextAssembler(parts.tokenizer, request.params.stop)
+        self.text = TextAssembler(parts.tokenizer, request.params.stop, request.params.skip_special_tokens)
         self.kv, self.n = done.sequence, len(request.prompt)
         self.valid, self.exact_upto = self.n, done.exact_upto    # KV positions computed / equal to a full prefill
         self.token: int | None = None

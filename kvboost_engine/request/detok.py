@@ -8,9 +8,10 @@ from __future__ import annotations
 
 
 class TextAssembler:
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer, stops: tuple[str, ...], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""              # decoded so far (may include a stop string)
         self.emitted = 0            # characters of self.text already returned as deltas
@@ -38,7 +39,8 @@ class TextAssembler:
         return self.text if self.stopped_at is None else self.text[:self.stopped_at]
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _decode_new(self) -> None:
         # Decode a small window ending at the new token; the window's earlier tokens give

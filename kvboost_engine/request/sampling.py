@@ -13,7 +13,8 @@ from ..errors import InputError
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 is greedy; `min_new_tokens` keeps the
     end-of-sequence tokens out of reach until that many tokens were generated (as in
-    transformers' `generate`)."""
+    transformers' `generate`). `skip_special_tokens=False` keeps special tokens other than the
+    one that ends the reply in the text (a tool-call marker such as `[TOOL_CALLS]`)."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -22,10 +23,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     min_new_tokens: int = 0
+    skip_special_tokens: bool = True
 
     @classmethod
     def build(cls, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None,
-              min_new_tokens=0) -> "SamplingParams":
+              min_new_tokens=0, skip_special_tokens=True) -> "SamplingParams":
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if not _real(temperature) or not 0 <= temperature < math.inf:
@@ -40,8 +42,10 @@ class SamplingParams:
             raise InputError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
         if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
             raise InputError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
+        if not isinstance(skip_special_tokens, bool):
+            raise InputError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed,
-                   min(min_new_tokens, max_new_tokens))
+                   min(min_new_tokens, max_new_tokens), skip_special_tokens)
 
 
 def _real(value) -> bool:

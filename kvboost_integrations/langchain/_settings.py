@@ -11,7 +11,6 @@ from kvboost_engine.loading import DEFAULT_MODEL_NAME
 
 from .._bridge import generation_metadata, resolve_engine
 from .._options import check_arguments, engine_options
-from .._vocab import Vocabulary
 from ..remote import RemoteEngine, connect
 
 _CALL_PARAMS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
@@ -73,7 +72,6 @@ class KVBoostSettings(BaseModel):
     """Accepted for compatibility; `stream()`/`astream()` always stream."""
 
     _engine: Engine | None = PrivateAttr(default=None)
-    _vocabulary: Vocabulary | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -103,13 +101,6 @@ class KVBoostSettings(BaseModel):
                                      moved_reuse=self.moved_reuse)
             self._engine = resolve_engine(self.engine, self.model, options)
         return self._engine
-
-    def vocabulary(self) -> Vocabulary:
-        """Token texts for constrained decoding (built once per instance, on first use)."""
-        if self._vocabulary is None:
-            engine = self.get_engine()
-            self._vocabulary = Vocabulary.for_engine(engine)
-        return self._vocabulary
 
     @property
     def model_name(self) -> str:

@@ -16,16 +16,14 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from kvboost_engine import Generation, GenerationStream
+from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream_timeout, iter_stream
-from .._guided import json_stream, tool_call_stream
+from .._toolcalls import ToolCallSplitter, add_tool_prompt, forced_tools, normalize_tool_choice, tool_format
 from ..remote import is_remote
 from ._settings import KVBoostSettings, response_metadata, usage_metadata
 from .messages import to_engine_messages
-from .tools import (TOOL_CLOSE, TOOL_OPEN, ToolCallSplitter, add_tool_prompt, normalize_tool_choice,
-                    template_supports_tools)
-
-_NO_ARGS = {"type": "object", "properties": {}}
+from .tools import tool_call_chunks
 
 
 class ChatKVBoost(KVBoostSettings, BaseChatModel):
@@ -65,12 +63,14 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         choice = normalize_tool_choice(kwargs.pop("tool_choice", None), names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
         params = self.sampling_params(stop, kwargs)
-        tools_active = bool(tools) and choice != "none" and response_format is None
-
-        reply = _Reply(self.model_name, tools_active)
+        tools = tools if choice != "none" and response_format is None else []
+        reply = _Reply(self.model_name)
 
         def start() -> GenerationStream:     # runs in the worker thread for async calls
-            return self._open(messages, tools if tools_active else [], choice, response_format, params, reply)
+            stream = self._open(messages, tools, choice, response_format, params, reply)
+            engine = self.get_engine()          # a remote server parses tool calls itself
+            reply.splitter = ToolCallSplitter(tool_format(engine.tokenizer) if tools and not is_remote(engine) else None)
+            return stream
 
         return start, reply
 
@@ -80,22 +80,21 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
             return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
                                       tool_choice=choice, response_format=response_format, **params)
-        native = bool(tools) and template_supports_tools(engine.tokenizer)
-        chat = to_engine_messages(messages, native_tools=native)
+        fmt = tool_format(engine.tokenizer)
+        chat = to_engine_messages(messages, native_tools=fmt.native)
         if self.document_order == "cache":
             chat, reply.documents_from_cache = engine.order_documents(chat)
+        constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if response_format is not None:
-            return json_stream(engine, self.vocabulary(), chat, response_format, **params)
+            return engine.stream_chat(chat, constraint=response_constraint(response_format), **constrained)
         if not tools:
             return engine.stream_chat(chat, **params)
-        template_kwargs = {"tools": tools} if native else {}
-        chat = chat if native else add_tool_prompt(chat, tools)
+        template_kwargs = {"tools": tools} if fmt.native else {}
+        chat = chat if fmt.native else add_tool_prompt(chat, tools)
         if choice == "auto":
-            return engine.stream_chat(chat, template_kwargs=template_kwargs, **params)
-        schemas = {t["function"]["name"]: t["function"].get("parameters") or _NO_ARGS for t in tools
-                   if choice == "any" or t["function"]["name"] == choice}
-        return tool_call_stream(engine, self.vocabulary(), chat, schemas, prefix=TOOL_OPEN + "\n",
-                                suffix="\n" + TOOL_CLOSE, template_kwargs=template_kwargs, **params)
+            return engine.stream_chat(chat, template_kwargs=template_kwargs, skip_special_tokens=False, **params)
+        return engine.stream_chat(chat, template_kwargs=template_kwargs, skip_special_tokens=False,
+                                  constraint=fmt.forced_call(forced_tools(tools, choice)), **constrained)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -137,14 +136,18 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
 
-    def with_structured_output(self, schema: dict | type, *, method: str = "json_schema", include_raw: bool = False,
-                               strict: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
-        """Answers as `schema` (Pydantic class, TypedDict, or JSON schema), always valid.
+    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """Answers as `schema` (Pydantic class, TypedDict, or JSON schema), by constrained decoding.
 
-        method "json_schema" (default) and "json_mode" generate the JSON by schema-guided
-        constrained decoding (json_mode uses the schema too: it is always at hand);
-        "function_calling" goes through a forced tool call. `strict` is accepted: output
-        always follows the schema's structure.
+        method "json_schema" (default): the output is generated under the schema (llguidance), so
+        it validates unless `max_tokens` cuts it (finish_reason "length"; parsing then fails, or
+        `include_raw=True` reports it). "json_mode": valid JSON; the schema is followed too when
+        given (schema None: any JSON object, parsed to a dict). "function_calling": a forced call
+        of a tool whose parameters are the schema, in the model's tool-call format. A schema
+        feature that cannot be enforced raises ValueError naming it, before any decoding.
+        `strict` is accepted: the output always follows the schema.
         """
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
@@ -152,8 +155,12 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
             return super().with_structured_output(schema, include_raw=include_raw, method=method, strict=strict)
         if method not in ("json_schema", "json_mode"):
             raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', got {method!r}")
-        llm = self.bind(response_format=convert_to_json_schema(schema),
-                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        if schema is None and method == "json_schema":
+            raise ValueError("method 'json_schema' needs a schema (or use method='json_mode' for any JSON object)")
+        response_format = {"type": "json_object"} if schema is None else convert_to_json_schema(schema)
+        tracing = {} if schema is None else {"ls_structured_output_format": {"kwargs": {"method": method},
+                                                                             "schema": schema}}
+        llm = self.bind(response_format=response_format, **tracing)
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
         if not include_raw:
@@ -166,17 +173,17 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
 class _Reply:
     """Turns engine deltas and the final Generation into message chunks for one request."""
 
-    def __init__(self, model_name: str, tools_active: bool):
+    def __init__(self, model_name: str):
         self.model_name = model_name
-        self.splitter = ToolCallSplitter(tools_active)
+        self.splitter = ToolCallSplitter(None)      # replaced when the request starts
         self.documents_from_cache: int | None = None
 
     def chunk(self, item: str | Generation) -> ChatGenerationChunk | None:
         if isinstance(item, str):
             visible = self.splitter.feed(item)
             return ChatGenerationChunk(message=AIMessageChunk(content=visible)) if visible else None
-        rest, calls = self.splitter.finish()
-        calls = calls or _server_tool_calls(item)
+        rest, calls = self.splitter.finish(cut=item.finish_reason != "stop")
+        calls = tool_call_chunks(calls) or _server_tool_calls(item)
         finish = "tool_calls" if calls else item.finish_reason
         metadata = response_metadata(item, self.model_name, finish)
         if self.documents_from_cache is not None:
@@ -184,6 +191,19 @@ class _Reply:
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
                                  response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})
+
+
+def response_constraint(response_format) -> Grammar:
+    """The grammar for a `response_format`: a JSON schema, {"type": "json_object"} (any JSON object)
+    or OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    if not isinstance(response_format, dict):
+        raise ValueError(f"response_format must be a dict (a JSON schema), got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return AnyJson()
+    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
+        return JsonSchema(response_format["json_schema"].get("schema") or {})
+    return JsonSchema(response_format)
 
 
 def _server_tool_calls(gen: Generation) -> list[dict]:

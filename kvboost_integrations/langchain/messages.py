@@ -6,11 +6,12 @@ separate engine segments (cache chunk boundaries). Text blocks marked as documen
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from langchain_core.messages import (AIMessage, BaseMessage, ChatMessage, FunctionMessage, HumanMessage,
                                      SystemMessage, ToolMessage)
+
+from .._toolcalls import calls_as_text, native_call, native_call_id
 
 DOCUMENT_FLAG = "kvboost_document"
 _ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant",
@@ -33,7 +34,8 @@ def is_document_block(block) -> bool:
 
 def to_engine_messages(messages: Sequence[BaseMessage], *, native_tools: bool) -> list[dict]:
     """Convert messages; with `native_tools`, tool calls and tool results keep their structured
-    fields for a tool-aware chat template, otherwise tool calls are written out as text."""
+    fields for a tool-aware chat template (ids as 9 alphanumerics: Mistral's templates accept no
+    other), otherwise tool calls are written out as text."""
     return [_convert(message, native_tools) for message in messages]
 
 
@@ -42,11 +44,11 @@ def _convert(message: BaseMessage, native_tools: bool) -> dict:
     out: dict = {"role": role, "content": _content(message.content)}
     if isinstance(message, AIMessage) and message.tool_calls:
         if native_tools:
-            out["tool_calls"] = [_native_call(call) for call in message.tool_calls]
+            out["tool_calls"] = [native_call(c["name"], c["args"], c.get("id")) for c in message.tool_calls]
         else:
             out["content"] = _append_text(out["content"], tool_calls_as_text(message.tool_calls))
     if isinstance(message, ToolMessage) and native_tools:
-        out["tool_call_id"] = message.tool_call_id
+        out["tool_call_id"] = native_call_id(message.tool_call_id)
         if message.name:
             out["name"] = message.name
     return out
@@ -92,11 +94,4 @@ def _append_text(content: str | list[dict], text: str) -> str | list[dict]:
 
 def tool_calls_as_text(tool_calls) -> str:
     """Tool calls as the model is asked to write them: one <tool_call> block each."""
-    return "\n".join(
-        "<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["args"]}, ensure_ascii=False)
-        + "\n</tool_call>" for c in tool_calls)
-
-
-def _native_call(call) -> dict:
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": call["name"], "arguments": call["args"]}}
+    return calls_as_text([(c["name"], c["args"]) for c in tool_calls])

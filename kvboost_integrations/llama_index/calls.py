@@ -5,46 +5,73 @@ that sequence, and the non-streaming calls keep only its last response.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 
-from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse, MessageRole
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse, MessageRole, TextBlock,
+                                              ToolCallBlock)
 
 from kvboost_engine import Engine, Generation, GenerationStream
+from kvboost_engine.constrained import Grammar
 
 from .._bridge import aiter_stream, document_reuse, generation_metadata
+from .._toolcalls import ToolCallSplitter, ToolFormat, add_tool_prompt, forced_tools, tool_format
+from .messages import to_engine_messages
 
 
 class EngineCall:
-    """A prepared request: engine messages (or a plain prompt) plus sampling parameters.
+    """A prepared request: chat messages (or a plain prompt), sampling parameters, and optionally
+    tools (OpenAI tool dicts with a normalized choice) or a grammar the output must follow.
 
     `start()` runs where the work runs (a worker thread for async calls), so a lazily loaded
-    engine is never loaded on the event loop.
+    engine is never loaded on the event loop; the tool-call format is read there from the
+    engine's chat template.
     """
 
-    def __init__(self, get_engine: Callable[[], Engine], params: dict, *, messages: list[dict] | None = None,
-                 prompt: str | None = None, template_kwargs: dict | None = None, document_order: str = "relevance"):
-        assert (messages is None) != (prompt is None)
+    def __init__(self, get_engine: Callable[[], Engine], params: dict, *, chat: Sequence[ChatMessage] | None = None,
+                 prompt: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                 tool_choice: str = "auto", grammar: Grammar | None = None, document_order: str = "relevance"):
+        assert (chat is None) != (prompt is None)
         self.document_order = document_order
         self._documents_from_cache: int | None = None
         self._get_engine = get_engine
         self.params = params
-        self.messages = messages
+        self.chat = chat
         self.prompt = prompt
         self.template_kwargs = template_kwargs or {}
+        self.tools = tools or []
+        self.tool_choice = tool_choice
+        self.grammar = grammar
+        self.format: ToolFormat | None = None          # set by start() when tools are active
         self._layout = None
         self._model_name = ""
 
     def start(self) -> GenerationStream:
         engine = self._get_engine()
         self._model_name = engine.model_name
-        if self.messages is None:
-            return engine.stream(self.prompt, **self.params)
-        if _has_documents(self.messages):
+        params = dict(self.params)
+        if self.grammar is not None:
+            params["constraint"] = self.grammar
+        if self.chat is None:
+            return engine.stream(self.prompt, **_without_stop(params))
+        fmt = tool_format(engine.tokenizer)
+        messages = to_engine_messages(self.chat, native_tools=fmt.native)
+        template_kwargs = dict(self.template_kwargs)
+        if self.tools:
+            self.format = fmt
+            params["skip_special_tokens"] = False
+            if fmt.native:
+                template_kwargs["tools"] = self.tools
+            else:
+                messages = add_tool_prompt(messages, self.tools)
+            if self.tool_choice != "auto":
+                params["constraint"] = fmt.forced_call(forced_tools(self.tools, self.tool_choice))
+        if _has_documents(messages):
             if self.document_order == "cache":
-                self.messages, self._documents_from_cache = engine.order_documents(self.messages)
-            self._layout = engine.encode_messages(self.messages, **self.template_kwargs)
-        return engine.stream_chat(self.messages, template_kwargs=self.template_kwargs or None, **self.params)
+                messages, self._documents_from_cache = engine.order_documents(messages)
+            self._layout = engine.encode_messages(messages, **template_kwargs)
+        return engine.stream_chat(messages, template_kwargs=template_kwargs or None, **_without_stop(params))
 
     def telemetry(self, gen: Generation) -> dict:
         """Our telemetry for one finished request, plus document reuse when it had documents."""
@@ -70,18 +97,24 @@ class EngineCall:
 class ResponseShaper:
     """Turns a call's events into LlamaIndex chat or completion responses.
 
-    Deltas give responses with the text so far; the final Generation gives one more response
-    (empty delta) whose `raw` holds `usage` (what TokenCountingHandler reads) and `kvboost`
-    (our telemetry); `additional_kwargs` holds the same telemetry flat.
+    Deltas give responses with the text so far (with tools, text from where a call begins is held
+    back); the final Generation gives one more response whose `raw` holds `usage` (what
+    TokenCountingHandler reads) and `kvboost` (our telemetry), `additional_kwargs` the same
+    telemetry flat, and whose message carries the parsed calls as ToolCallBlocks.
     """
 
     def __init__(self, call: EngineCall):
         self.call = call
         self.text = ""
+        self._splitter: ToolCallSplitter | None = None
+        self._calls: list[dict] = []
 
     def chat(self, item: str | Generation) -> ChatResponse:
         text, delta, raw, extra = self._step(item)
-        message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+        blocks = [TextBlock(text=text)]
+        if isinstance(item, Generation) and self._splitter is not None:
+            blocks += [_call_block(call) for call in self._calls]
+        message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
         return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
     def completion(self, item: str | Generation) -> CompletionResponse:
@@ -89,13 +122,33 @@ class ResponseShaper:
         return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
 
     def _step(self, item: str | Generation) -> tuple[str, str, dict | None, dict]:
+        if self._splitter is None and self.call.format is not None:
+            self._splitter = ToolCallSplitter(self.call.format)
         if isinstance(item, str):
-            self.text += item
-            return self.text, item, None, {}
+            delta = self._splitter.feed(item) if self._splitter is not None else item
+            self.text += delta
+            return self.text, delta, None, {}
+        cut = item.finish_reason != "stop"
+        delta, self._calls = self._splitter.finish(cut) if self._splitter is not None else ("", [])
+        self.text += delta
         telemetry = self.call.telemetry(item)
         usage = item.usage()
         usage.update(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens)
-        return item.text, "", {"usage": usage, "kvboost": telemetry}, telemetry
+        text = self.text if self._splitter is not None else item.text
+        return text, delta, {"usage": usage, "kvboost": telemetry}, telemetry
+
+
+def _call_block(call: dict) -> ToolCallBlock:
+    try:
+        args = json.loads(call["args"])
+    except json.JSONDecodeError:
+        args = call["args"]                 # unreadable (the model's own malformed call): kept as text
+    return ToolCallBlock(tool_call_id=call["id"], tool_name=call["name"] or "", tool_kwargs=args)
+
+
+def _without_stop(params: dict) -> dict:
+    """A grammar decides where constrained output ends: stop strings do not apply."""
+    return {k: v for k, v in params.items() if k != "stop"} if "constraint" in params else params
 
 
 def last(responses: Iterator):

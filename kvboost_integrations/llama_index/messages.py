@@ -6,11 +6,14 @@ reuse at any position (retrieved nodes). `document_message` builds such a messag
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 
-from llama_index.core.base.llms.types import ChatMessage, DocumentBlock, MessageRole, TextBlock
+from llama_index.core.base.llms.types import ChatMessage, DocumentBlock, MessageRole, TextBlock, ToolCallBlock
 
 from kvboost_engine import InputError
+
+from .._toolcalls import calls_as_text, native_call, native_call_id
 
 # additional_kwargs key: indexes of the message's blocks that are documents (retrieved nodes).
 DOCUMENT_BLOCKS = "kvboost_document_blocks"
@@ -31,8 +34,10 @@ def document_message(role: MessageRole | str, texts: Sequence[tuple[str, bool]])
     return ChatMessage(role=role, blocks=blocks, additional_kwargs=kwargs)
 
 
-def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """LlamaIndex messages as the engine's messages (content parts keep their boundaries).
+def to_engine_messages(messages: Sequence[ChatMessage], *, native_tools: bool = False) -> list[dict]:
+    """LlamaIndex messages as the engine's messages (content parts keep their boundaries). Tool
+    calls (ToolCallBlocks) and tool results go to a tool-aware chat template as structured fields
+    with `native_tools`, otherwise the calls are written out as `<tool_call>` text.
 
     `messages` must be a sequence (a list): LlamaIndex's callbacks read an iterator before it
     gets here, so a generator would arrive empty; it is refused with a message saying so.
@@ -41,10 +46,10 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         raise InputError(f"messages must be a list of ChatMessage, got {type(messages).__name__}"
                          + (" (LlamaIndex's callbacks consume an iterator before KVBoost sees it: pass a list)"
                             if isinstance(messages, Iterator) else ""))
-    return [_engine_message(message, index) for index, message in enumerate(messages)]
+    return [_engine_message(message, index, native_tools) for index, message in enumerate(messages)]
 
 
-def _engine_message(message: ChatMessage, index: int) -> dict:
+def _engine_message(message: ChatMessage, index: int, native_tools: bool) -> dict:
     if not isinstance(message, ChatMessage):
         raise InputError(f"message {index} must be a ChatMessage, got {type(message).__name__} ({message!r:.60})")
     role = _ROLES.get(MessageRole(message.role))
@@ -57,12 +62,46 @@ def _engine_message(message: ChatMessage, index: int) -> dict:
     documents = set(message.additional_kwargs.get(DOCUMENT_BLOCKS, ()))
     parts = [_part(block, position in documents) for position, block in enumerate(message.blocks)]
     parts = [part for part in parts if part is not None]
+    calls = tool_calls_of(message)
+    if calls and not native_tools:
+        parts.append({"type": "text", "text": calls_as_text([(name, args) for name, args, _ in calls])})
     if len(parts) == 1 and parts[0]["type"] == "text":
-        return {"role": role, "content": parts[0]["text"]}
-    return {"role": role, "content": parts or ""}
+        out = {"role": role, "content": parts[0]["text"]}
+    else:
+        out = {"role": role, "content": parts or ""}
+    if calls and native_tools:
+        out["tool_calls"] = [native_call(name, args, call_id) for name, args, call_id in calls]
+    if role == "tool" and native_tools:
+        out["tool_call_id"] = native_call_id(message.additional_kwargs.get("tool_call_id"))
+    return out
+
+
+def tool_calls_of(message: ChatMessage) -> list[tuple[str, dict, str | None]]:
+    """(name, arguments, id) of the calls in a message: ToolCallBlocks, else OpenAI-style dicts
+    under additional_kwargs["tool_calls"]."""
+    calls = [(b.tool_name, _arguments(b.tool_kwargs), b.tool_call_id) for b in message.blocks
+             if isinstance(b, ToolCallBlock)]
+    if not calls:
+        for call in message.additional_kwargs.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and function.get("name"):
+                calls.append((function["name"], _arguments(function.get("arguments")), call.get("id")))
+    return calls
+
+
+def _arguments(args) -> dict:
+    if isinstance(args, dict):
+        return args
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else {}
+    except json.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def _part(block, is_document: bool) -> dict | None:
+    if isinstance(block, ToolCallBlock):
+        return None                 # written by _engine_message, as the template wants it
     if isinstance(block, TextBlock):
         return {"type": "document" if is_document else "text", "text": block.text}
     if isinstance(block, DocumentBlock) and (block.document_mimetype or "").startswith("text/"):
