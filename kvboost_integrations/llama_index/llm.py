@@ -30,7 +30,7 @@ from .._bridge import resolve_engine
 from .._options import check_arguments, engine_options
 from ..remote import RemoteEngine, connect
 from .calls import EngineCall, ResponseShaper, alast, last
-from .messages import ModelTokenizer, to_engine_messages
+from .messages import ModelTokenizer, check_messages, to_engine_messages
 from .tools import (chat_messages, keep_first_call, parse_structured, tool_choice_for, tool_selections,
                     tool_specs)
 
@@ -165,6 +165,7 @@ class KVBoost(FunctionCallingLLM):
         return params
 
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> EngineCall:
+        check_messages(messages)
         kwargs = dict(kwargs)
         specs = tool_specs(kwargs.pop("tools", None) or [])
         choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"

@@ -42,11 +42,16 @@ def to_engine_messages(messages: Sequence[ChatMessage], *, native_tools: bool = 
     `messages` must be a sequence (a list): LlamaIndex's callbacks read an iterator before it
     gets here, so a generator would arrive empty; it is refused with a message saying so.
     """
+    check_messages(messages)
+    return [_engine_message(message, index, native_tools) for index, message in enumerate(messages)]
+
+
+def check_messages(messages) -> None:
+    """InputError unless `messages` is a sequence (an iterator arrives consumed by LlamaIndex's callbacks)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InputError(f"messages must be a list of ChatMessage, got {type(messages).__name__}"
                          + (" (LlamaIndex's callbacks consume an iterator before KVBoost sees it: pass a list)"
                             if isinstance(messages, Iterator) else ""))
-    return [_engine_message(message, index, native_tools) for index, message in enumerate(messages)]
 
 
 def _engine_message(message: ChatMessage, index: int, native_tools: bool) -> dict:
