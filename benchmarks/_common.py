@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
+import time
 import platform
 
 import torch
@@ -79,3 +81,14 @@ def with_first_logits(engine, request):
     with engine.instruments.subscribe(lambda e: seen.append(e.logits) if isinstance(e, FirstTokenEvent) else None):
         gen = request()
     return gen, seen[-1]
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` runs, after one warm-up run (excluded)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -67,25 +67,26 @@ def default_model_dir(gguf: str | os.PathLike | None = None) -> Path:
     folder = os.environ.get("KVBOOST_DEFAULT_MODEL")
     if folder:
         return _hf_dir(Path(folder).expanduser(), "KVBOOST_DEFAULT_MODEL")
-    target = cache_home() / "models" / f"{DEFAULT_MODEL_NAME}{compat.converted_dir_suffix()}"
-    if (target / _COMPLETE).exists():
-        return target
-    with build_lock(target):
-        if not (target / _COMPLETE).exists():
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                _convert_gguf(_default_gguf(Path(tmp), gguf), target)
-    return target
+    return _converted_once(f"{DEFAULT_MODEL_NAME}{compat.converted_dir_suffix()}",
+                           lambda tmp: _default_gguf(tmp, gguf))
 
 
 def named_model_dir(model: NamedModel) -> Path:
     """A named model (kvboost_engine.named_models) as an HF directory, built once from its packages."""
-    target = cache_home() / "models" / f"{model.name}-{model.version}{compat.converted_dir_suffix()}"
+    return _converted_once(f"{model.name}-{model.version}{compat.converted_dir_suffix()}",
+                           lambda tmp: fetch_gguf(model, tmp))
+
+
+def _converted_once(name: str, gguf_in) -> Path:
+    """cache_home()/models/<name>: the HF directory converted from the GGUF `gguf_in(tmpdir)` gives,
+    built once (under a lock, so concurrent first uses build it once) and reused after."""
+    target = cache_home() / "models" / name
     if (target / _COMPLETE).exists():
         return target
     with build_lock(target):
         if not (target / _COMPLETE).exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                _convert_gguf(fetch_gguf(model, Path(tmp)), target)
+                _convert_gguf(gguf_in(Path(tmp)), target)
     return target
 
 

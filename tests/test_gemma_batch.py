@@ -1,30 +1,17 @@
 """Gemma 3 (tiny random config, window 16) in batched forwards: sliding-window and global layers,
 final logit soft-capping, several sequences in one pass, each the same as when run alone."""
-import pytest
 import torch
-from transformers import AutoTokenizer
 
 from kvboost_engine import Engine
 from kvboost_engine.instrument import ForwardEvent
 from kvboost_engine.kv.contiguous import SequenceKV
-from kvboost_engine.loading import default_model_dir
 from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.model.forward import Forward
-from tiny_models import tiny_model
+from test_gemma import gemma, tokenizer  # noqa: F401 - the tiny Gemma 3 and the tokenizer fixtures
 
 WINDOW = 16
 PROMPTS = [" ".join(f"Lantern {i} on the pier burns {i * 7 % 23} hours." for i in range(6)),
            "Ferry log: " + " ".join(f"crossing {i} carried {i * 11 % 41} carts," for i in range(9))]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(default_model_dir())
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return tiny_model("gemma3_text")
 
 
 def test_batched_forward_equals_each_sequence_alone(gemma, tokenizer):

@@ -10,24 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 from kvboost_engine import Engine
 from kvboost_engine.model.fingerprint import model_fingerprint, tokenizer_digest, weights_digest
 
-from .._common import environment, load_default
+from .._common import environment, load_default, median_time
 
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -39,13 +28,13 @@ def main(argv=None) -> None:
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
     weight_bytes = sum(unique.values())
     rope = {}
-    weights = median_s(lambda: weights_digest(model), args.repeats)
+    weights = median_time(lambda: weights_digest(model), args.repeats)
     result = {
         "weight_bytes": weight_bytes,
         "weights_s": round(weights, 4), "weights_GB_s": round(weight_bytes / weights / 1e9, 2),
-        "tokenizer_s": round(median_s(lambda: tokenizer_digest(tokenizer), args.repeats), 4),
-        "fingerprint_s": round(median_s(lambda: model_fingerprint(model, rope, tokenizer), args.repeats), 4),
-        "engine_build_s": round(median_s(lambda: Engine(model, tokenizer), args.repeats), 4),
+        "tokenizer_s": round(median_time(lambda: tokenizer_digest(tokenizer), args.repeats), 4),
+        "fingerprint_s": round(median_time(lambda: model_fingerprint(model, rope, tokenizer), args.repeats), 4),
+        "engine_build_s": round(median_time(lambda: Engine(model, tokenizer), args.repeats), 4),
     }
     record = {"settings": vars(args), "environment": environment(model), **result}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")

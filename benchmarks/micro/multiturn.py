@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from kvboost_engine import Engine
 
-from .._common import MODELS, environment, load_model
+from .._common import MODELS, environment, load_model, median_time
 
 SYSTEM_PROMPT = " ".join([
     "You are Sol, the in-house assistant of the Helios solar panel company.",
@@ -53,15 +53,6 @@ QUESTIONS = [
     "How many kilowatts can the Atlas inverter convert?", "Which panel is lighter, the H-300 or the H-420?",
 ]
 
-
-def median_time(fn, repeats: int) -> float:
-    fn()                                                    # warm-up, excluded
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def has_template(engine_or_tokenizer) -> bool:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from .._common import median_time
+
 FORMATS = ("fp32", "bf16", "int8", "int4")
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -135,13 +137,7 @@ def read_bandwidth(repeats: int = 5) -> dict:
     vector = torch.ones(4096)
 
     def timed(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-        return matrix.numel() * 4 / statistics.median(times)
+        return matrix.numel() * 4 / median_time(fn, repeats)
     return {"mv_bytes_per_s": timed(lambda: torch.mv(matrix, vector)), "sum_bytes_per_s": timed(matrix.sum)}
 
 
