@@ -130,9 +130,12 @@ def test_missing_model_paths(tmp_path):
 
 
 def test_unreachable_hub_fails_fast(monkeypatch):
+    import time
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+    started = time.perf_counter()
+    with pytest.raises(ModelNotFoundError, match="(?s)could not load 'someorg/not-a-model'.*local HF directory"):
         Engine.from_pretrained("someorg/not-a-model")
+    assert time.perf_counter() - started < 30
 
 
 def test_unsupported_config_fails_before_loading_weights(tmp_path):
