@@ -220,6 +220,8 @@ def test_hub_errors_come_from_huggingface_hub(monkeypatch, tmp_path):
         monkeypatch.setattr(constants, "ENDPOINT", index.url.removesuffix("/simple"))
         with pytest.raises(ModelNotFoundError, match="(?s)someorg/not-a-model.*Error.*local HF directory"):
             loading.hub_model_dir("someorg/not-a-model")
-        assert any("someorg/not-a-model" in path for path in index.requests)
+        import huggingface_hub
+        if int(huggingface_hub.__version__.split(".")[0]) >= 1:      # 0.x builds its URLs from import-time settings
+            assert any("someorg/not-a-model" in path for path in index.requests)
     finally:
         index.close()

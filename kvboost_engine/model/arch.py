@@ -36,6 +36,8 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "gemma3_text": ArchSpec("gemma3", "Gemma 3 text: sliding-window and global layers with their own RoPE bases, "
                             "q/k norms, scaled embeddings, final logit softcap", rope_per_layer_type=True),
 }
+if not compat.V5:       # transformers 4.x keeps Gemma 3's two rotaries in other modules: 5.x only
+    del SUPPORTED_ARCHITECTURES["gemma3_text"]
 
 
 # The decoder-layer linears of the Llama layout, by path inside a layer: the AWQ loader and the
