@@ -80,6 +80,8 @@ class Scheduler:
 
     def call(self, fn):
         """Run `fn()` on the scheduler thread between two steps and return its result."""
+        if threading.current_thread() is self._thread:
+            return fn()                     # already there (an observer calling back): no self-wait
         future: Future = Future()
         with self._cond:
             self._check_open()
