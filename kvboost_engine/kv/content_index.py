@@ -108,22 +108,8 @@ class ContentIndex:
 
     def split(self, tail: Node, head: Node, at: int) -> None:
         """`tail` lost its first `at` tokens to `head`: move the places that start or end there."""
-        starts, tail.content_refs = tail.content_refs, []
-        for place in starts:
-            if place.offset < at:
-                place.node = head
-                head.content_refs.append(place)
-            else:
-                place.offset -= at
-                tail.content_refs.append(place)
-        ends, tail.content_ends = tail.content_ends, []
-        for place in ends:
-            if place.end_offset < at:
-                place.end_node = head
-                head.content_ends.append(place)
-            else:
-                place.end_offset -= at
-                tail.content_ends.append(place)
+        _move_at_split(tail, head, at, "content_refs", "node", "offset")
+        _move_at_split(tail, head, at, "content_ends", "end_node", "end_offset")
 
     def remove(self, node: Node) -> None:
         """`node` leaves the tree: drop every place that starts or ends in it."""
@@ -147,3 +133,17 @@ class ContentIndex:
             for place in places:
                 assert place.key == key and place.node.alive and place.end_node.alive
                 assert place in place.node.content_refs and place in place.end_node.content_ends
+
+
+def _move_at_split(tail: Node, head: Node, at: int, refs: str, node: str, offset: str) -> None:
+    """Places listed in `tail.<refs>` whose `<offset>` falls in the first `at` tokens move to `head`;
+    the others stay in `tail`, `at` tokens earlier."""
+    places, kept = getattr(tail, refs), []
+    for place in places:
+        if getattr(place, offset) < at:
+            setattr(place, node, head)
+            getattr(head, refs).append(place)
+        else:
+            setattr(place, offset, getattr(place, offset) - at)
+            kept.append(place)
+    setattr(tail, refs, kept)

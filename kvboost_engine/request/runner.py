@@ -16,44 +16,32 @@ class ModelRunner:
         self.instruments = instruments
         self.lock = threading.Lock()
 
+    def _run(self, run, kind: str, tokens: int, start: int, sequences: int = 1):
+        """`run()` under the lock, timed and reported as a ForwardEvent when anyone listens."""
+        with self.lock:
+            began = time.perf_counter()
+            out = run()
+            if self.instruments.active:
+                self.instruments.emit(ForwardEvent(kind, tokens, start, time.perf_counter() - began, sequences))
+            return out
+
     def forward(self, kv, token_ids: list[int], start: int, kind: str) -> torch.Tensor:
         """Compute `token_ids` at positions start.. over `kv`; logits [vocab] of the last one."""
-        with self.lock:
-            if not self.instruments.active:
-                return self.forward_pass(kv, token_ids, start)
-            began = time.perf_counter()
-            logits = self.forward_pass(kv, token_ids, start)
-            self.instruments.emit(ForwardEvent(kind, len(token_ids), start, time.perf_counter() - began))
-            return logits
+        return self._run(lambda: self.forward_pass(kv, token_ids, start), kind, len(token_ids), start)
 
     def scattered(self, kv, token_ids: list[int], positions: torch.Tensor, end: int, selector=None) -> torch.Tensor:
         """Compute the tokens at `positions` over the KV in place (moved-reuse repair)."""
-        with self.lock:
-            began = time.perf_counter()
-            logits = self.forward_pass.scattered(kv, token_ids, positions, end, selector)
-            if self.instruments.active:
-                self.instruments.emit(ForwardEvent("repair", len(positions), int(positions[0]),
-                                                   time.perf_counter() - began))
-            return logits
+        return self._run(lambda: self.forward_pass.scattered(kv, token_ids, positions, end, selector),
+                         "repair", len(positions), int(positions[0]))
 
     def attention_mass(self, kv, token_ids: list[int], positions: torch.Tensor, end: int, layers: int) -> torch.Tensor:
         """Attention the tokens at `positions` pay to every position over the first `layers` layers."""
-        with self.lock:
-            began = time.perf_counter()
-            mass = self.forward_pass.attention_mass(kv, token_ids, positions, end, layers)
-            if self.instruments.active:
-                self.instruments.emit(ForwardEvent("probe", len(positions), int(positions[0]),
-                                                   time.perf_counter() - began))
-            return mass
+        return self._run(lambda: self.forward_pass.attention_mass(kv, token_ids, positions, end, layers),
+                         "probe", len(positions), int(positions[0]))
 
     def batch(self, items: list[tuple], want_logits: list[bool]) -> list:
         """One forward over several sequences' new tokens (see Forward.batch)."""
-        with self.lock:
-            began = time.perf_counter()
-            logits = self.forward_pass.batch(items, want_logits)
-            if self.instruments.active:
-                tokens = sum(len(ids) for _, ids, _ in items)
-                kind = "batch" if len(items) > 1 else ("decode" if tokens == 1 else "prefill")
-                self.instruments.emit(ForwardEvent(kind, tokens, items[0][2] if len(items) == 1 else -1,
-                                                   time.perf_counter() - began, len(items)))
-            return logits
+        tokens = sum(len(ids) for _, ids, _ in items)
+        kind = "batch" if len(items) > 1 else ("decode" if tokens == 1 else "prefill")
+        return self._run(lambda: self.forward_pass.batch(items, want_logits), kind, tokens,
+                         items[0][2] if len(items) == 1 else -1, len(items))
