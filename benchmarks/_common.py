@@ -18,18 +18,24 @@ MODELS = {
 }
 
 
+def bench_device() -> torch.device:
+    """Where benchmarks put the model: $KVBOOST_BENCH_DEVICE ("cpu" by default; "cuda" on a GPU machine)."""
+    return torch.device(os.environ.get("KVBOOST_BENCH_DEVICE") or "cpu")
+
+
 def load_default(dtype=torch.float32):
-    model, tokenizer = load_model_and_tokenizer(default_model_dir(), device=torch.device("cpu"), dtype=dtype)
+    model, tokenizer = load_model_and_tokenizer(default_model_dir(), device=bench_device(), dtype=dtype)
     return model, tokenizer
 
 
 def load_model(name: str = "default", dtype=torch.float32):
-    """(model, tokenizer) of a `MODELS` entry, fp32 on CPU (a named model is fetched and converted once)."""
+    """(model, tokenizer) of a `MODELS` entry, fp32 on `bench_device()` (a named model is fetched and
+    converted once)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if name == "default":
         return load_default(dtype)
-    return load_model_and_tokenizer(resolve_model_dir(name), device=torch.device("cpu"), dtype=dtype)
+    return load_model_and_tokenizer(resolve_model_dir(name), device=bench_device(), dtype=dtype)
 
 
 def environment(model, name: str = "default") -> dict:
@@ -39,6 +45,7 @@ def environment(model, name: str = "default") -> dict:
     return {
         "model": MODELS.get(name, name),
         "dtype": str(param.dtype), "device": str(param.device),
+        "gpu": torch.cuda.get_device_name(param.device) if param.device.type == "cuda" else None,
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -80,7 +87,7 @@ def with_first_logits(engine, request):
     seen = []
     with engine.instruments.subscribe(lambda e: seen.append(e.logits) if isinstance(e, FirstTokenEvent) else None):
         gen = request()
-    return gen, seen[-1]
+    return gen, seen[-1].float().cpu()
 
 
 def median_time(fn, repeats: int) -> float:

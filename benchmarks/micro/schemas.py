@@ -5,9 +5,9 @@ Conformance: N generated schemas (benchmarks/micro/schemagen.py), one greedy req
 with `jsonschema` (Draft 2020-12); outputs cut by max_new_tokens (finish_reason "length") are
 counted separately; anything else (invalid JSON, a validation error, a compile error) is a failure.
 
-Speed: on the first K schemas, decode tokens/s constrained vs unconstrained on the same prompt
-and the same number of tokens (the unconstrained run gets min_new_tokens = max_new_tokens = the
-constrained run's count), runs interleaved C, U, U, C, ...; decode excludes time to first token.
+Speed: on the first K schemas (K may exceed N: --schemas 0 measures speed alone), decode tokens/s
+constrained vs unconstrained on the same prompt and the same number of tokens (the unconstrained
+run gets min_new_tokens = max_new_tokens = the constrained run's count), runs interleaved C, U, U, C, ...; decode excludes time to first token.
 
 Run: python -m benchmarks.micro.schemas [--schemas 200 --speed-schemas 20 --repeats 2
      --max-new-tokens 256 --threads 1 --out benchmarks/results/schemas.json]
@@ -98,16 +98,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="benchmarks/results/schemas.json")
+    parser.add_argument("--deadline-min", type=float, default=None,
+                        help="check no new schema after this many minutes (the summary counts those checked)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_default()
     engine = Engine(model, tokenizer, cache_bytes=256 * 2**20, model_name="SmolLM2-135M-Instruct")
     generator = SchemaGen(args.seed)
-    schemas = [generator.schema(i) for i in range(args.schemas)]
-    covered = sorted(set().union(*(features(s) for s in schemas)))
-    records = []
-    for schema in schemas:
+    schemas = [generator.schema(i) for i in range(max(args.schemas, args.speed_schemas))]
+    covered = sorted(set().union(*(features(s) for s in schemas[:args.schemas])))
+    records, started = [], time.monotonic()
+    for schema in schemas[:args.schemas]:
+        if args.deadline_min is not None and time.monotonic() - started > args.deadline_min * 60:
+            print(f"deadline reached after {len(records)} schemas", flush=True)
+            break
         records.append(check(schema, engine, args.max_new_tokens))
         print(json.dumps({k: v for k, v in records[-1].items() if k in ("title", "outcome", "tokens")}), flush=True)
     speed = [p for s in schemas[:args.speed_schemas]

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
 from pathlib import Path
 
 from kvboost_engine import Engine
@@ -100,7 +101,10 @@ def summarise(name: str, rows: list[dict], reference: list[dict]) -> dict:
     return summary
 
 
-def run(regime: str, configs: list[str], questions: int, seed: int, budget: int) -> dict:
+def run(regime: str, configs: list[str], questions: int, seed: int, budget: int, deadline_s: float | None = None) -> dict:
+    """Every configuration on the first `questions` questions; with `deadline_s`, no new question starts
+    after that many seconds, and the result counts the questions asked."""
+    started = time.monotonic()
     model, tokenizer = load_default()
     docs, items = build(seed=seed)
     items = items[:questions]
@@ -111,6 +115,9 @@ def run(regime: str, configs: list[str], questions: int, seed: int, budget: int)
             warm(engine, regime, docs)
     results = {name: [] for name in engines}
     for i, question in enumerate(items):
+        if deadline_s is not None and time.monotonic() - started > deadline_s:
+            print(f"[{regime}] deadline reached after {i} questions", flush=True)
+            break
         for name, engine in engines.items():
             results[name].append(ask_config(name, engine, question))
         if i % 20 == 0:
@@ -121,7 +128,7 @@ def run(regime: str, configs: list[str], questions: int, seed: int, budget: int)
         for row in rows:
             row.pop("logits")
     return {"benchmark": "moved_regimes", "regime": regime, "environment": environment(model), "seed": seed,
-            "questions": len(items), "summary": summaries}
+            "questions": len(results["no-cache"]), "questions_asked_for": len(items), "summary": summaries}
 
 
 def main(argv=None) -> None:
@@ -132,11 +139,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=1, help="QA set seed (1: held-out set)")
     parser.add_argument("--cache-gib", type=float, default=1.5)
     parser.add_argument("--out", default=None, help="default benchmarks/results/moved_regimes_<regime>.json")
+    parser.add_argument("--deadline-min", type=float, default=None,
+                        help="start no new question after this many minutes (the result says how many were asked)")
     args = parser.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for name in configs:
         config_options(name)                                # refuse typos before loading anything
-    result = run(args.regime, configs, args.questions, args.seed, int(args.cache_gib * 2**30))
+    deadline = None if args.deadline_min is None else args.deadline_min * 60
+    result = run(args.regime, configs, args.questions, args.seed, int(args.cache_gib * 2**30), deadline)
     for s in result["summary"]:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
     out = Path(args.out or f"benchmarks/results/moved_regimes_{args.regime}.json")
