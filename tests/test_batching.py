@@ -141,3 +141,23 @@ def test_an_engine_built_and_used_inside_inference_mode_works(smol, serial):
         engine.warm(chat(QUESTIONS[0])[:1])
         gens, _ = concurrent(engine, [(q, {}) for q in QUESTIONS[:2]], max_new_tokens=12)
     assert [g.token_ids for g in gens] == [serial[q] for q in QUESTIONS[:2]]
+
+
+def test_decoding_sequences_over_one_prompt_read_its_shared_blocks_once(smol, serial, monkeypatch):
+    """Chats over one system prompt attend over its shared pool blocks in one call per layer
+    (cascade attention), and still give the tokens each gives alone."""
+    from kvboost_engine.kv.paged import PagedSequence
+    groups = []
+    original = PagedSequence.attend_shared
+
+    def counted(self, seqs, ends, layer, *args):
+        groups.append((len(seqs), args[-2]))                            # (..., shared, scratch)
+        return original(self, seqs, ends, layer, *args)
+
+    monkeypatch.setattr(PagedSequence, "attend_shared", counted)
+    engine = Engine(*smol)
+    engine.chat(chat(QUESTIONS[0]), max_new_tokens=1)                  # the system prompt is cached
+    gens, _ = concurrent(engine, [(q, {}) for q in QUESTIONS], max_new_tokens=12)
+    assert groups and max(n for n, _ in groups) >= 3 and min(s for _, s in groups) >= 32
+    assert [g.token_ids for g in gens] == [serial[q] for q in QUESTIONS]
+    engine.close()

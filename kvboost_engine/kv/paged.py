@@ -17,6 +17,11 @@ from .pool import BlockPool
 # it, each run is attended in place and the results merged by log-sum-exp.
 GATHER_MAX_KEYS = 2048
 
+# Sequences decoding together that read at least this many leading positions from the same pool
+# blocks (a shared system prompt, a shared document) attend over them once, all their queries
+# stacked (see attend_shared_prefix); below it, the merge costs more than the reads it saves.
+SHARED_MIN_TOKENS = 32
+
 
 class PagedSequence:
     allocates = False           # giving KV to the cache shares blocks
@@ -141,6 +146,78 @@ class PagedSequence:
             parts.append(attend_with_lse(query, keys, values, run_mask, scaling))
         return merge_by_lse(parts)
 
+
+    # ---- several sequences at once (a batched decode step) ------------------------------
+    def shared_prefix(self, seqs: list[PagedSequence], ends: list[int]) -> int:
+        """Leading positions that all of `seqs` (this one first) read from the same pool blocks:
+        whole blocks, short of each one's last position (so each has keys of its own after them);
+        0 when fewer than SHARED_MIN_TOKENS."""
+        count, limit = 0, min(len(seq.table) for seq in seqs)
+        while (count < limit and self.table[count] is not None
+               and all(seq.table[count] == self.table[count] for seq in seqs)):
+            count += 1
+        shared = min(count * self.block_tokens, min(ends) - 1)
+        return shared if shared >= SHARED_MIN_TOKENS else 0
+
+    def attend_shared(self, seqs: list[PagedSequence], ends: list[int], layer: int, query, keys, values,
+                      scaling: float, shared: int, scratch: dict):
+        """One decode step of `seqs` in one layer, reading the `shared` leading positions they have
+        in common (`shared_prefix`) once: keys/values [1, Hkv, M, D] are each sequence's new K/V
+        (written at position ends[i] - 1), query [1, H, M, D] its query there (no window) ->
+        [1, H, M, D]. All M queries attend over the shared keys in one call, and over their own
+        keys after them in one padded call; the two are merged by log-sum-exp (cascade attention):
+        the same attention as each alone, up to float rounding. `scratch` (one dict per group and
+        forward, empty at first) keeps the slot indices the layers reuse."""
+        if not scratch:
+            scratch.update(self._shared_plan(seqs, ends, shared))
+        head_keys, head_values = (_joined([t[i, layer, :, slot:slot + n] for t, slot, _, n in scratch["head"]])[None]
+                                  for i in (0, 1))
+        if scratch["tail"] is None:                     # a block outside RAM: one sequence at a time
+            for row, (seq, end) in enumerate(zip(seqs, ends)):
+                seq.write(layer, keys[:, :, row:row + 1], values[:, :, row:row + 1], end - 1)
+            head_out, head_lse = attend_with_lse(query, head_keys, head_values, None, scaling)
+            outs = []
+            for row, (seq, end) in enumerate(zip(seqs, ends)):
+                tail = [(t, slot + max(0, shared - pos), slot + n) for t, slot, pos, n in seq.runs(end)
+                        if pos + n > shared]
+                own_k, own_v = (_joined([t[i, layer, :, lo:hi] for t, lo, hi in tail])[None] for i in (0, 1))
+                own = attend_with_lse(query[:, :, row:row + 1], own_k, own_v, None, scaling)
+                outs.append(merge_by_lse([(head_out[:, :, row:row + 1], head_lse[:, :, row:row + 1]), own]))
+            return torch.cat(outs, dim=2)
+        ram = self.pool.ram
+        ram[0, layer, :, scratch["new"]] = keys[0]
+        ram[1, layer, :, scratch["new"]] = values[0]
+        head_out, head_lse = attend_with_lse(query, head_keys, head_values, None, scaling)    # [1, H, M, D], [1, H, M]
+        _, heads, m, dim = query.shape
+        kv_heads = keys.shape[1]
+        width = scratch["width"]
+        tail_k = ram[0, layer, :, scratch["tail"]].view(kv_heads, m, width, dim)            # [Hkv, M, L, D]
+        tail_v = ram[1, layer, :, scratch["tail"]].view(kv_heads, m, width, dim)
+        q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2)              # [Hkv, M, G, D]
+        scores = torch.matmul(q, tail_k.transpose(-1, -2)).mul_(scaling)                   # [Hkv, M, G, L]
+        scores.masked_fill_(scratch["pad"], float("-inf"))
+        tail_lse = torch.logsumexp(scores, dim=-1)                                          # [Hkv, M, G]
+        tail_out = torch.matmul(torch.softmax(scores, dim=-1), tail_v)                     # [Hkv, M, G, D]
+        tail_out = tail_out.transpose(1, 2).reshape(1, heads, m, dim)
+        tail_lse = tail_lse.transpose(1, 2).reshape(1, heads, m)
+        total = torch.logaddexp(head_lse, tail_lse)        # both finite: >= 32 shared keys, and the new one
+        return (head_out * torch.exp(head_lse - total).unsqueeze(-1)
+                + tail_out * torch.exp(tail_lse - total).unsqueeze(-1))
+
+    def _shared_plan(self, seqs: list[PagedSequence], ends: list[int], shared: int) -> dict:
+        """Pool slots of each sequence's new position and of its keys after the shared ones (padded)."""
+        head = self.pool.runs(self.table, shared)
+        if not all(seq._scatter_ok() for seq in seqs):
+            return {"head": head, "tail": None}
+        device = self.pool.ram.device
+        width = max(ends) - shared
+        tail = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        pad = torch.ones(len(seqs), width, dtype=torch.bool, device=device)
+        for row, (seq, end) in enumerate(zip(seqs, ends)):
+            tail[row, :end - shared] = seq.slots()[shared:end]
+            pad[row, :end - shared] = False
+        new = torch.stack([seq.slots()[end - 1] for seq, end in zip(seqs, ends)])
+        return {"head": head, "tail": tail.flatten(), "pad": pad[None, :, None, :], "width": width, "new": new}
 
 def _joined(views: list) -> torch.Tensor:
     return views[0] if len(views) == 1 else torch.cat(views, dim=1)

@@ -62,19 +62,61 @@ class AttentionStep:
 
 class BatchStep:
     """One forward over the new tokens of several sequences packed along the token axis: each
-    sequence's rows write its own KV and attend over its own KV only (its AttentionStep)."""
+    sequence's rows write its own KV and attend over its own KV only (its AttentionStep).
 
-    __slots__ = ("steps", "rows", "device")
+    Decoding sequences (one query each, no window in the layer) whose paged KV starts with the
+    same pool blocks, such as chats over one system prompt, attend over those blocks once for all
+    of them (the KV's `shared_prefix` / `attend_shared`, paged KV only): a decode step then reads
+    the shared KV once, not once per sequence."""
+
+    __slots__ = ("steps", "rows", "device", "_groups")
 
     def __init__(self, steps: list[AttentionStep], rows: list[tuple[int, int]]):
         self.steps = steps
         self.rows = rows                                # [lo, hi) of each sequence's tokens
         self.device = steps[0].device
+        self._groups: dict = {}         # window -> [(member indices, shared positions, scratch of the group)]
 
     def attend(self, layer: int, query, keys, values, scaling: float) -> torch.Tensor:
         # query [1, H, T, D]; keys/values [1, Hkv, T, D] -> output [1, T, H, D]
-        return torch.cat([step.attend(layer, query[:, :, lo:hi], keys[:, :, lo:hi], values[:, :, lo:hi], scaling)
-                          for step, (lo, hi) in zip(self.steps, self.rows)], dim=1)
+        outs = [None] * len(self.steps)
+        for members, shared, scratch in self._shared_groups(self.steps[0].layer_windows[layer]):
+            rows = [self.rows[i][0] for i in members]
+            if rows == list(range(rows[0], rows[0] + len(rows))):          # one token each, side by side
+                def stacked(tensor, lo=rows[0], hi=rows[0] + len(rows)):
+                    return tensor[:, :, lo:hi]
+            else:
+                def stacked(tensor, rows=rows):
+                    return torch.cat([tensor[:, :, r:r + 1] for r in rows], dim=2)
+            out = self.steps[members[0]].kv.attend_shared(
+                [self.steps[i].kv for i in members], [self.steps[i].end for i in members], layer,
+                stacked(query), stacked(keys), stacked(values), scaling, shared, scratch)     # [1, H, M, D]
+            if len(members) == len(self.steps) and rows[0] == 0:
+                return out.transpose(1, 2)                                      # everyone, in order
+            for j, i in enumerate(members):
+                outs[i] = out[:, :, j:j + 1].transpose(1, 2)
+        for i, (step, (lo, hi)) in enumerate(zip(self.steps, self.rows)):
+            if outs[i] is None:
+                outs[i] = step.attend(layer, query[:, :, lo:hi], keys[:, :, lo:hi], values[:, :, lo:hi], scaling)
+        return torch.cat(outs, dim=1)
+
+    def _shared_groups(self, window) -> list:
+        """Groups of decoding sequences that share leading pool blocks, for layers of this window."""
+        if window not in self._groups:
+            by_first: dict = {}
+            for i, (step, (lo, hi)) in enumerate(zip(self.steps, self.rows)):
+                table = getattr(step.kv, "table", None) if hasattr(step.kv, "attend_shared") else None
+                if hi - lo == 1 and table and table[0] is not None and step.masks[window] is None:
+                    by_first.setdefault(table[0], []).append(i)
+            groups = []
+            for members in by_first.values():
+                if len(members) > 1:
+                    kvs = [self.steps[i].kv for i in members]
+                    shared = kvs[0].shared_prefix(kvs, [self.steps[i].end for i in members])
+                    if shared:
+                        groups.append((members, shared, {}))
+            self._groups[window] = groups
+        return self._groups[window]
 
 
 class ScatterStep:
