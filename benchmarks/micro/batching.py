@@ -85,6 +85,22 @@ def weight_read_s(model) -> float:
     return best
 
 
+def linear_s(model, rows: int) -> float:
+    """Seconds for every Linear layer of the model (lm_head included) on `rows` random input rows:
+    the weight products of one decode step of `rows` sequences."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+              for m in layers}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            for m in layers:
+                m(inputs[m.in_features])
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def section_levels(model, tokenizer) -> dict:
     system = long_text(SYSTEM_TOKENS, tokenizer)
     engine = Engine(model, tokenizer)
@@ -107,12 +123,17 @@ def section_levels(model, tokenizer) -> dict:
                      "median_ttft_s": round(w["ttft_s"], 3), "greedy_same_as_serial": same})
         print(rows[-1], flush=True)
     read = weight_read_s(model)
+    linear_1, linear_8 = linear_s(model, 1), linear_s(model, 8)
     engine.close()
     return {"serial_tok_s": round(serial_tok_s, 2), "decode_step_1_ms": round(1000 * step_1, 1),
             "weight_read_ms": round(1000 * read, 1),
             "bound_at_8": round(8 * step_1 / max(read, step_1 / 8), 2),
+            "linear_ms_1_row": round(1000 * linear_1, 1), "linear_ms_8_rows": round(1000 * linear_8, 1),
+            "bound_at_8_linear": round(8 * step_1 / (step_1 + linear_8 - linear_1), 2),
             "note": "bound_at_8: 8 tokens per step if a step at 8 cost no more than reading the weights "
-                    "once (8 x step_1 / max(weight_read, step_1 / 8))", "rows": rows}
+                    "once (8 x step_1 / max(weight_read, step_1 / 8)); bound_at_8_linear: if a step at 8 "
+                    "cost a step at 1 plus only the extra time of the weight products on 8 rows "
+                    "(8 x step_1 / (step_1 + linear_8 - linear_1))", "rows": rows}
 
 
 def section_transformers(model, tokenizer) -> dict:
