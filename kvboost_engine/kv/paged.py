@@ -19,7 +19,7 @@ GATHER_MAX_KEYS = 2048
 
 # Sequences decoding together that read at least this many leading positions from the same pool
 # blocks (a shared system prompt, a shared document) attend over them once, all their queries
-# stacked (see attend_shared_prefix); below it, the merge costs more than the reads it saves.
+# stacked (PagedSequence.attend_shared); below it, the merge costs more than the reads it saves.
 SHARED_MIN_TOKENS = 32
 
 
@@ -146,7 +146,6 @@ class PagedSequence:
             parts.append(attend_with_lse(query, keys, values, run_mask, scaling))
         return merge_by_lse(parts)
 
-
     # ---- several sequences at once (a batched decode step) ------------------------------
     def shared_prefix(self, seqs: list[PagedSequence], ends: list[int]) -> int:
         """Leading positions that all of `seqs` (this one first) read from the same pool blocks:
@@ -193,16 +192,18 @@ class PagedSequence:
         width = scratch["width"]
         tail_k = ram[0, layer, :, scratch["tail"]].view(kv_heads, m, width, dim)            # [Hkv, M, L, D]
         tail_v = ram[1, layer, :, scratch["tail"]].view(kv_heads, m, width, dim)
-        q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2)              # [Hkv, M, G, D]
-        scores = torch.matmul(q, tail_k.transpose(-1, -2)).mul_(scaling)                   # [Hkv, M, G, L]
+        q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2).float()      # [Hkv, M, G, D]
+        scores = torch.matmul(q, tail_k.float().transpose(-1, -2)).mul_(scaling)           # [Hkv, M, G, L]
         scores.masked_fill_(scratch["pad"], float("-inf"))
         tail_lse = torch.logsumexp(scores, dim=-1)                                          # [Hkv, M, G]
-        tail_out = torch.matmul(torch.softmax(scores, dim=-1), tail_v)                     # [Hkv, M, G, D]
+        tail_out = torch.matmul(torch.softmax(scores, dim=-1), tail_v.float())             # [Hkv, M, G, D]
         tail_out = tail_out.transpose(1, 2).reshape(1, heads, m, dim)
         tail_lse = tail_lse.transpose(1, 2).reshape(1, heads, m)
+        head_lse = head_lse.float()
         total = torch.logaddexp(head_lse, tail_lse)        # both finite: >= 32 shared keys, and the new one
-        return (head_out * torch.exp(head_lse - total).unsqueeze(-1)
-                + tail_out * torch.exp(tail_lse - total).unsqueeze(-1))
+        out = (head_out.float() * torch.exp(head_lse - total).unsqueeze(-1)
+               + tail_out * torch.exp(tail_lse - total).unsqueeze(-1))
+        return out.to(query.dtype)
 
     def _shared_plan(self, seqs: list[PagedSequence], ends: list[int], shared: int) -> dict:
         """Pool slots of each sequence's new position and of its keys after the shared ones (padded)."""
@@ -218,6 +219,7 @@ class PagedSequence:
             pad[row, :end - shared] = False
         new = torch.stack([seq.slots()[end - 1] for seq, end in zip(seqs, ends)])
         return {"head": head, "tail": tail.flatten(), "pad": pad[None, :, None, :], "width": width, "new": new}
+
 
 def _joined(views: list) -> torch.Tensor:
     return views[0] if len(views) == 1 else torch.cat(views, dim=1)
