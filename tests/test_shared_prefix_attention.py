@@ -28,13 +28,11 @@ def sequences(shared_blocks: int, own_tokens: list[int]):
 
 
 @pytest.mark.parametrize("own_tokens", [[1, 5, 17], [3, 3], [40, 1, 2, 33]])
-@pytest.mark.parametrize("padded", [True, False])
-def test_shared_prefix_attention_writes_the_new_kv_and_matches_each_sequence_alone(own_tokens, padded):
+def test_shared_prefix_attention_writes_the_new_kv_and_matches_each_sequence_alone(own_tokens):
     seqs, ends = sequences(4, own_tokens)
     shared = seqs[0].shared_prefix(seqs, ends)
     assert shared == 4 * BLOCK
-    # padded: every block in RAM; else the one-by-one path taken when a block is in the disk spill
-    scratch = {} if padded else {"head": seqs[0].pool.runs(seqs[0].table, shared), "tail": None}
+    scratch = {}
     for layer in range(GEOMETRY.num_layers):
         query = torch.randn(1, 4, len(seqs), 8)                          # 4 heads over 2 KV heads
         keys, values = torch.randn(1, 2, len(seqs), 8), torch.randn(1, 2, len(seqs), 8)
@@ -53,3 +51,9 @@ def test_no_shared_prefix_below_the_minimum_or_across_different_blocks():
     b, b_ends = sequences(4, [2])                                         # another pool's blocks 0..3
     b[0].table = [t + 10 for t in b[0].table]
     assert a[0].shared_prefix(a + b, a_ends + b_ends) == 0
+
+
+def test_sequences_with_blocks_in_the_disk_spill_are_not_grouped(monkeypatch):
+    seqs, ends = sequences(4, [2, 3])
+    monkeypatch.setattr(PagedSequence, "_scatter_ok", lambda self: self is not seqs[1])
+    assert seqs[0].shared_prefix(seqs, ends) == 0

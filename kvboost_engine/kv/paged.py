@@ -150,7 +150,10 @@ class PagedSequence:
     def shared_prefix(self, seqs: list[PagedSequence], ends: list[int]) -> int:
         """Leading positions that all of `seqs` (this one first) read from the same pool blocks:
         whole blocks, short of each one's last position (so each has keys of its own after them);
-        0 when fewer than SHARED_MIN_TOKENS."""
+        0 when fewer than SHARED_MIN_TOKENS, or when a sequence has blocks in the disk spill (its
+        keys are then not addressable by RAM slot; it attends on its own)."""
+        if not all(seq._scatter_ok() for seq in seqs):
+            return 0
         count, limit = 0, min(len(seq.table) for seq in seqs)
         while (count < limit and self.table[count] is not None
                and all(seq.table[count] == self.table[count] for seq in seqs)):
@@ -171,18 +174,6 @@ class PagedSequence:
             scratch.update(self._shared_plan(seqs, ends, shared))
         head_keys, head_values = (_joined([t[i, layer, :, slot:slot + n] for t, slot, _, n in scratch["head"]])[None]
                                   for i in (0, 1))
-        if scratch["tail"] is None:                     # a block outside RAM: one sequence at a time
-            for row, (seq, end) in enumerate(zip(seqs, ends)):
-                seq.write(layer, keys[:, :, row:row + 1], values[:, :, row:row + 1], end - 1)
-            head_out, head_lse = attend_with_lse(query, head_keys, head_values, None, scaling)
-            outs = []
-            for row, (seq, end) in enumerate(zip(seqs, ends)):
-                tail = [(t, slot + max(0, shared - pos), slot + n) for t, slot, pos, n in seq.runs(end)
-                        if pos + n > shared]
-                own_k, own_v = (_joined([t[i, layer, :, lo:hi] for t, lo, hi in tail])[None] for i in (0, 1))
-                own = attend_with_lse(query[:, :, row:row + 1], own_k, own_v, None, scaling)
-                outs.append(merge_by_lse([(head_out[:, :, row:row + 1], head_lse[:, :, row:row + 1]), own]))
-            return torch.cat(outs, dim=2)
         ram = self.pool.ram
         ram[0, layer, :, scratch["new"]] = keys[0]
         ram[1, layer, :, scratch["new"]] = values[0]
@@ -208,8 +199,6 @@ class PagedSequence:
     def _shared_plan(self, seqs: list[PagedSequence], ends: list[int], shared: int) -> dict:
         """Pool slots of each sequence's new position and of its keys after the shared ones (padded)."""
         head = self.pool.runs(self.table, shared)
-        if not all(seq._scatter_ok() for seq in seqs):
-            return {"head": head, "tail": None}
         device = self.pool.ram.device
         width = max(ends) - shared
         tail = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
