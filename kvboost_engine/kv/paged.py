@@ -22,6 +22,11 @@ GATHER_MAX_KEYS = 2048
 # stacked (PagedSequence.attend_shared); below it, the merge costs more than the reads it saves.
 SHARED_MIN_TOKENS = 32
 
+# Of those shared positions, a run of consecutive pool slots at least this long is attended in
+# place; shorter runs are gathered into one piece (a kernel call and a merge per short run would
+# cost more than copying it).
+SHARED_RUN_MIN_TOKENS = 128
+
 
 class PagedSequence:
     allocates = False           # giving KV to the cache shares blocks
@@ -166,48 +171,63 @@ class PagedSequence:
         """One decode step of `seqs` in one layer, reading the `shared` leading positions they have
         in common (`shared_prefix`) once: keys/values [1, Hkv, M, D] are each sequence's new K/V
         (written at position ends[i] - 1), query [1, H, M, D] its query there (no window) ->
-        [1, H, M, D]. All M queries attend over the shared keys in one call, and over their own
-        keys after them in one padded call; the two are merged by log-sum-exp (cascade attention):
-        the same attention as each alone, up to float rounding. `scratch` (one dict per group and
-        forward, empty at first) keeps the slot indices the layers reuse."""
+        [1, H, M, D]. All M queries attend over the shared keys together (long runs of blocks in
+        place, short ones gathered into one piece: no order among keys matters without a mask),
+        and over their own keys after them in one padded call; the parts are merged by log-sum-exp
+        (cascade attention): the same attention as each alone, up to float rounding. `scratch` (one
+        dict per group and forward, empty at first) keeps the slot indices the layers reuse."""
         if not scratch:
             scratch.update(self._shared_plan(seqs, ends, shared))
-        head_keys, head_values = (_joined([t[i, layer, :, slot:slot + n] for t, slot, _, n in scratch["head"]])[None]
-                                  for i in (0, 1))
         ram = self.pool.ram
-        ram[0, layer, :, scratch["new"]] = keys[0]
-        ram[1, layer, :, scratch["new"]] = values[0]
-        head_out, head_lse = attend_with_lse(query, head_keys, head_values, None, scaling)    # [1, H, M, D], [1, H, M]
-        _, heads, m, dim = query.shape
-        kv_heads = keys.shape[1]
-        width = scratch["width"]
-        tail_k = ram[0, layer, :, scratch["tail"]].view(kv_heads, m, width, dim)            # [Hkv, M, L, D]
-        tail_v = ram[1, layer, :, scratch["tail"]].view(kv_heads, m, width, dim)
-        q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2).float()      # [Hkv, M, G, D]
-        scores = torch.matmul(q, tail_k.float().transpose(-1, -2)).mul_(scaling)           # [Hkv, M, G, L]
-        scores.masked_fill_(scratch["pad"], float("-inf"))
-        tail_lse = torch.logsumexp(scores, dim=-1)                                          # [Hkv, M, G]
-        tail_out = torch.matmul(torch.softmax(scores, dim=-1), tail_v.float())             # [Hkv, M, G, D]
-        tail_out = tail_out.transpose(1, 2).reshape(1, heads, m, dim)
-        tail_lse = tail_lse.transpose(1, 2).reshape(1, heads, m)
-        head_lse = head_lse.float()
-        total = torch.logaddexp(head_lse, tail_lse)        # both finite: >= 32 shared keys, and the new one
-        out = (head_out.float() * torch.exp(head_lse - total).unsqueeze(-1)
-               + tail_out * torch.exp(tail_lse - total).unsqueeze(-1))
+        ram[0, layer].index_copy_(1, scratch["new"], keys[0])
+        ram[1, layer].index_copy_(1, scratch["new"], values[0])
+        parts = [attend_with_lse(query, ram[0, layer, :, slot:slot + n][None], ram[1, layer, :, slot:slot + n][None],
+                                 None, scaling) for slot, n in scratch["runs"]]
+        if scratch["gathered"] is not None:
+            parts.append(attend_with_lse(query, ram[0, layer].index_select(1, scratch["gathered"])[None],
+                                         ram[1, layer].index_select(1, scratch["gathered"])[None], None, scaling))
+        parts.append(self._attend_tails(layer, query, scaling, scratch))
+        lses = torch.softmax(torch.stack([lse.float() for _, lse in parts]), dim=0).unsqueeze(-1)   # [P, 1, H, M, 1]
+        out = parts[0][0].float() * lses[0]
+        for (part, _), weight in zip(parts[1:], lses[1:]):
+            out = out.add_(part.float() * weight)
         return out.to(query.dtype)
 
+    def _attend_tails(self, layer: int, query, scaling: float, scratch: dict):
+        """Each query over its own keys after the shared ones, padded to one width (pads masked):
+        (out [1, H, M, D], lse [1, H, M]). Every row has at least its new key, so no row is empty."""
+        _, heads, m, dim = query.shape
+        ram = self.pool.ram
+        kv_heads = ram.shape[2]
+        tail_k, tail_v = (ram[i, layer, :, scratch["tail"]].view(kv_heads, m, -1, dim) for i in (0, 1))  # [Hkv, M, L, D]
+        q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2).float()         # [Hkv, M, G, D]
+        scores = torch.matmul(q, tail_k.float().transpose(-1, -2)).mul_(scaling)              # [Hkv, M, G, L]
+        scores.masked_fill_(scratch["pad"], float("-inf"))
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = scores.sub_(top).exp_()
+        total = weights.sum(dim=-1, keepdim=True)
+        out = torch.matmul(weights, tail_v.float()).div_(total)                              # [Hkv, M, G, D]
+        lse = total.log_().add_(top).squeeze(-1)                                             # [Hkv, M, G]
+        return out.transpose(1, 2).reshape(1, heads, m, dim), lse.transpose(1, 2).reshape(1, heads, m)
+
     def _shared_plan(self, seqs: list[PagedSequence], ends: list[int], shared: int) -> dict:
-        """Pool slots of each sequence's new position and of its keys after the shared ones (padded)."""
-        head = self.pool.runs(self.table, shared)
+        """Slots of the shared keys (runs of at least SHARED_RUN_MIN_TOKENS read in place, the rest
+        gathered), of each sequence's new position, and of its keys after the shared ones, padded
+        to one width with its new position (written this step, so never stale memory; masked)."""
+        runs, short = [], []
+        for _, slot, _, n in self.pool.runs(self.table, shared):        # RAM only: no spill blocks here
+            (runs if n >= SHARED_RUN_MIN_TOKENS else short).append((slot, n))
         device = self.pool.ram.device
+        gathered = (torch.cat([torch.arange(slot, slot + n, device=device) for slot, n in short])
+                    if short else None)
+        new = torch.stack([seq.slots()[end - 1] for seq, end in zip(seqs, ends)])
         width = max(ends) - shared
-        tail = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        tail = new[:, None].repeat(1, width)
         pad = torch.ones(len(seqs), width, dtype=torch.bool, device=device)
         for row, (seq, end) in enumerate(zip(seqs, ends)):
             tail[row, :end - shared] = seq.slots()[shared:end]
             pad[row, :end - shared] = False
-        new = torch.stack([seq.slots()[end - 1] for seq, end in zip(seqs, ends)])
-        return {"head": head, "tail": tail.flatten(), "pad": pad[None, :, None, :], "width": width, "new": new}
+        return {"runs": runs, "gathered": gathered, "tail": tail.flatten(), "pad": pad[None, :, None, :], "new": new}
 
 
 def _joined(views: list) -> torch.Tensor:
