@@ -22,6 +22,7 @@ from .model.rope import RopeMover
 from .weights.quantized import check_weights_format
 from .request.decode import Channel, EngineParts, Request, check_window, store
 from .request.generation import Generation, GenerationStream
+from .request.openmp import release_thread_pool
 from .request.ordering import order_documents
 from .request.prefill import PrefillParts, prefill
 from .request.scheduler import Scheduler
@@ -77,6 +78,7 @@ class Engine:
         self._counter_lock = threading.Lock()
         self._owns_model = False
         self._closed = False
+        release_thread_pool()       # this thread loaded the model; its idle OpenMP workers would slow the scheduler's
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device=None, dtype=None,

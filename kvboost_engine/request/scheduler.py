@@ -28,6 +28,7 @@ from ..errors import BudgetError, KVBoostError
 from ..kv.tree import common_prefix
 from .decode import Decoding, EngineParts, Request
 from .generation import Generation
+from .openmp import release_thread_pool
 from .prefill import Assembled, assemble, prefilled, repair
 
 
@@ -77,6 +78,8 @@ class Scheduler:
             self._waiting.append(request)
             self._start_thread()
             self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            release_thread_pool()           # the caller now waits: its idle OpenMP workers would slow ours
 
     def call(self, fn):
         """Run `fn()` on the scheduler thread between two steps and return its result."""

@@ -1,0 +1,41 @@
+"""A thread that hands a request to the scheduler (or builds an engine) gives its idle OpenMP
+workers back, so the scheduler thread's ops are not slowed by libgomp's oversubscription mode."""
+import os
+import threading
+
+import pytest
+import torch
+
+from kvboost_engine.request import openmp
+
+
+def _threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_release_frees_the_calling_threads_workers_and_torch_works_after():
+    if torch.get_num_threads() < 2 or not openmp._find_pause():
+        pytest.skip("no libgomp pool to release (one thread, or another OpenMP runtime)")
+    out = {}
+
+    def work():
+        a = torch.randn(512, 512)
+        (a @ a).sum()                                   # a parallel region: this thread's pool exists
+        before = _threads()
+        out["released"] = openmp.release_thread_pool()
+        out["fewer"] = before - _threads()
+        out["after"] = float((a @ a).sum())             # the pool comes back on the next parallel op
+        out["expected"] = float((a.double() @ a.double()).sum())
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert out["released"] and out["fewer"] >= 1
+    assert out["after"] == pytest.approx(out["expected"], rel=1e-4)
+
+
+def test_release_is_harmless_without_a_pool_and_when_called_twice():
+    assert openmp.release_thread_pool() in (True, False)
+    assert openmp.release_thread_pool() in (True, False)
+    assert float(torch.ones(4).sum()) == 4.0
