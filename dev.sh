@@ -74,7 +74,7 @@ case "$task" in
     setup) ;;
     demo)  .venv/bin/python -m kvboost_tools.demo "$@" ;;
     test)  .venv/bin/python -m pytest -q "$@" ;;
-    bench) setup_bench; OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} .venv/bin/python -m benchmarks "$@" ;;
+    bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;   # on a busy machine: OMP_WAIT_POLICY=PASSIVE
     llama-server) bash .ci/remote.sh ;;
     vllm)  setup_vllm ;;
     bench-remote) setup_vllm; .venv/bin/python -m benchmarks.remote "$@" ;;

@@ -14,7 +14,7 @@ from pathlib import Path
 from .aggregate import sequence_median, series
 
 BEGIN, END = "<!-- kvboost:results:begin -->", "<!-- kvboost:results:end -->"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]      # the repository (this file: benchmarks/sidebyside/)
 MIB = 1024**2
 PLOTS = ("ttft_vs_turn", "hit_rate_vs_turn", "ttft_vs_docs", "coding_ttft")
 

@@ -33,7 +33,7 @@ from .runner import log, probe_memory, run_timing
 from .systems import SYSTEMS, Transformers, build, set_attention, version
 from .workloads import Workload, chat_workload, coding_workload, rag_workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]      # the repository (this file: benchmarks/sidebyside/)
 MAIN_SYSTEMS = ("transformers", "langchain-huggingface", "llama-index-llms-huggingface", "kvboost-pypi",
                 "llamacpp-langchain", "llamacpp-llama-index", "ours-engine", "ours-engine-flat",
                 "ours-engine-cache-order", "ours-engine-blend", "ours-langchain", "ours-llama-index")
