@@ -90,7 +90,7 @@ def worker(args) -> None:
 
 def run_worker(python: Path, argv: list[str], workdir: Path, tag: str) -> dict:
     out = workdir / f"{tag}.json"
-    cmd = [str(python), "-m", "benchmarks.sidebyside", *argv, "--out", str(out)]
+    cmd = [str(python), "-m", "benchmarks.sidebyside.sidebyside", *argv, "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,14 @@ def test_schema_benchmark_summary_counts_outcomes_and_speed():
     summary = summarize(records, [{"ratio": 0.95}, {"ratio": 1.01}, {"ratio": 0.99}])
     assert (summary["valid"], summary["length"], summary["invalid"]) == (2, 1, 0)
     assert summary["valid_share_of_finished"] == 1.0 and summary["speed_ratio_median"] == 0.99
+
+
+def test_side_by_side_paths_point_at_the_repository():
+    """The harness writes the README and benchmarks/results of the repository, and its memory
+    workers start a module that runs (both broke when the regroup moved the harness down a folder)."""
+    import importlib.util
+    from benchmarks.sidebyside import sidebyside
+    for root in (report.ROOT, sidebyside.ROOT):
+        assert (root / "README.md").is_file() and (root / "benchmarks" / "results").is_dir()
+    module = importlib.util.find_spec("benchmarks.sidebyside.sidebyside")
+    assert module is not None and "def main" in Path(module.origin).read_text()
