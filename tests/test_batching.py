@@ -2,6 +2,7 @@
 import threading
 
 import pytest
+from holds import Hold
 
 from kvboost_engine import BudgetError, Engine, FirstTokenEvent, ForwardEvent
 
@@ -58,9 +59,14 @@ def test_each_sequence_samples_with_its_own_settings(smol):
 
 def test_cancelling_one_sequence_mid_batch_leaves_the_others_unchanged_and_frees_its_blocks(smol, serial):
     engine = Engine(*smol, cache_bytes=0)
-    streams = [engine.stream_chat(chat(q), max_new_tokens=12) for q in QUESTIONS[:3]]
-    next(streams[1])
-    streams[1].cancel()
+    hold = Hold(at=2)                                   # stream 1 is certainly mid-decode when cancelled
+    streams = [engine.stream_chat(chat(q), max_new_tokens=12, constraint=hold if i == 1 else None)
+               for i, q in enumerate(QUESTIONS[:3])]
+    try:
+        assert hold.reached.wait(60)
+        streams[1].cancel()
+    finally:
+        hold.release.set()
     assert streams[1].collect().finish_reason == "cancelled"
     others = [streams[0].collect(), streams[2].collect()]
     assert [g.token_ids for g in others] == [serial[QUESTIONS[0]], serial[QUESTIONS[2]]]

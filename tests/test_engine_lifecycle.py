@@ -1,11 +1,10 @@
 """Instrumentation, memory accounting, request counters however a request ends, and close()."""
-import threading
-
 import pytest
 from transformers import AutoTokenizer
 
 from kvboost_engine import Engine, FirstTokenEvent, ForwardEvent, KVBoostError
 from kvboost_engine.loading import default_model_dir
+from holds import Hold
 from tiny_models import tiny_model
 
 
@@ -58,34 +57,14 @@ def test_stats_count_every_request_however_it_ends(tiny):
                                          ("Hello there", "Hello again, and again", "A third one"))
 
 
-class _HoldAfterFirstToken:
-    """A constraint that allows every token and holds the scheduler at the second token's mask until
-    released: the request is certainly still running while the test looks at it."""
-
-    def __init__(self):
-        self.masks, self.release = 0, threading.Event()
-
-    def mask(self, logits):
-        self.masks += 1
-        if self.masks > 1:
-            self.release.wait(timeout=60)
-        return logits
-
-    def advance(self, token):
-        pass
-
-    def is_finished(self):
-        return False
-
-
 def test_memory_accounts_for_cached_and_running_kv(tiny):
     engine = Engine(*tiny, cache_bytes=2**22)
     idle = engine.memory()
     assert idle["cached_bytes"] == idle["in_use_bytes"] == 0 and idle["free_bytes"] == idle["pool_bytes"]
-    hold = _HoldAfterFirstToken()
+    hold = Hold(at=2)
     stream = engine.stream("Count: " + "one two " * 30, max_new_tokens=4, min_new_tokens=4, constraint=hold)
     try:
-        next(stream)
+        assert hold.reached.wait(60)
         busy = engine.memory()                                          # the request cannot have ended yet
     finally:
         hold.release.set()

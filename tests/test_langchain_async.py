@@ -3,6 +3,7 @@ import asyncio
 import time
 
 import pytest
+from holds import Hold, hold_engine_streams
 
 pytest.importorskip("langchain_core")
 
@@ -35,24 +36,30 @@ async def test_four_concurrent_requests_get_their_own_answers(lc_engine):
     assert batch == [completions.invoke(p) for p in PROMPTS]
 
 
-async def test_generation_does_not_block_the_event_loop(lc_engine):
+async def test_generation_does_not_block_the_event_loop(lc_engine, monkeypatch):
+    hold = Hold(at=2, timeout=30)                  # the request stays in flight until the loop has ticked
+    hold_engine_streams(monkeypatch, hold)
     chat = ChatKVBoost(engine=lc_engine, max_tokens=8)
-    ticks = 0
+    ticks_while_held = 0
     done = asyncio.Event()
 
     async def ticker():
-        nonlocal ticks
+        nonlocal ticks_while_held
         while not done.is_set():
-            ticks += 1
+            if hold.reached.is_set() and not hold.release.is_set():
+                ticks_while_held += 1
+                if ticks_while_held == 10:
+                    hold.release.set()
             await asyncio.sleep(0.01)
 
     task = asyncio.create_task(ticker())
-    started = time.perf_counter()
-    await chat.ainvoke(STORY)
-    elapsed = time.perf_counter() - started
-    done.set()
-    await task
-    assert ticks >= elapsed / 0.01 * 0.3        # the loop kept running while the model worked
+    try:
+        await chat.ainvoke(STORY)                  # if it blocked the loop, the hold would time out
+    finally:
+        hold.release.set()
+        done.set()
+        await task
+    assert ticks_while_held == 10 and hold.advanced >= 2
 
 
 async def _wait_for_request_end(engine, requests_before, timeout=30.0):
@@ -62,7 +69,9 @@ async def _wait_for_request_end(engine, requests_before, timeout=30.0):
     return engine.stats()
 
 
-async def test_cancelled_astream_stops_decoding_within_a_few_tokens(lc_engine):
+async def test_cancelled_astream_stops_decoding_within_a_few_tokens(lc_engine, monkeypatch):
+    counter = Hold(at=None)                        # counts the tokens chosen after the cancel
+    hold_engine_streams(monkeypatch, counter)
     chat = ChatKVBoost(engine=lc_engine, max_tokens=200)
     before = lc_engine.stats()
     received = []
@@ -82,7 +91,8 @@ async def test_cancelled_astream_stops_decoding_within_a_few_tokens(lc_engine):
     after = await _wait_for_request_end(lc_engine, before["requests"])
     generated = after["generated_tokens"] - before["generated_tokens"]
     assert after["requests"] == before["requests"] + 1
-    assert generated <= len(received) + 4, f"{generated} tokens decoded after {len(received)} were read"
+    assert counter.cancel_event.is_set() and counter.after_cancel <= 1
+    assert generated < 200, f"{generated} tokens decoded after {len(received)} were read"
 
 
 def test_leaving_a_sync_stream_early_closes_the_engine_stream(lc_engine, monkeypatch):
@@ -106,10 +116,16 @@ def test_leaving_a_sync_stream_early_closes_the_engine_stream(lc_engine, monkeyp
     assert engine_stream.generation is None and len(read) == 3
 
 
-async def test_async_timeout_raises_and_stops_decoding(lc_engine):
+async def test_async_timeout_raises_and_stops_decoding(lc_engine, monkeypatch):
+    hold = Hold(at=2, timeout=30)                  # still decoding when the 0.05 s timeout fires
+    hold_engine_streams(monkeypatch, hold)
     chat = ChatKVBoost(engine=lc_engine, max_tokens=200, timeout=0.05)
     before = lc_engine.stats()
-    with pytest.raises(TimeoutError):
-        await chat.ainvoke(STORY)
+    try:
+        with pytest.raises(TimeoutError):
+            await chat.ainvoke(STORY)
+    finally:
+        hold.release.set()
     after = await _wait_for_request_end(lc_engine, before["requests"])
     assert after["generated_tokens"] - before["generated_tokens"] <= 3
+    assert hold.after_cancel <= 1

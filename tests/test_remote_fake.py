@@ -115,7 +115,7 @@ def test_tools_pass_through_and_tool_calls_come_back(server):
 
 def test_a_replica_that_is_down_is_skipped_and_marked(pair):
     a, b = pair
-    engine = RemoteEngine([a.url, b.url])
+    engine = RemoteEngine([a.url, b.url], cooldown_s=3600)      # still cooling down at the third chat
     owner = engine.chat(ask("Hi")).replica
     dead, alive = (a, b) if owner == a.url else (b, a)
     dead.stop()

@@ -126,16 +126,23 @@ def _toy_streamer(delay: float):
     return layers, LayerStreamer(layers, bindings, SlowTier(blobs, delay), 2, CPU)
 
 
+def _compute_longer_than_a_load(streamer, index):
+    """Stand-in for compute that outlasts a load: wait until layer `index`'s prefetch, if issued, ended."""
+    inflight = streamer._inflight.get(index)
+    if inflight is not None:
+        inflight[1].result(timeout=30)
+
+
 def test_prefetch_hits_when_compute_hides_loads():
     layers, streamer = _toy_streamer(delay=0.001)
     x = torch.randn(1, 64)
     for _ in range(4):
-        for layer in layers:
-            time.sleep(0.02)                    # "compute" longer than a load
+        for index, layer in enumerate(layers):
+            _compute_longer_than_a_load(streamer, index)
             layer(x)
     streamer.reset_stats()
-    for layer in layers:
-        time.sleep(0.02)
+    for index, layer in enumerate(layers):
+        _compute_longer_than_a_load(streamer, index)
         layer(x)
     assert streamer.stats.hits == 3 and streamer.stats.waits == 0
     streamer.close()
