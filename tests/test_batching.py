@@ -2,6 +2,7 @@
 import threading
 
 import pytest
+import torch
 from holds import Hold
 
 from kvboost_engine import BudgetError, Engine, FirstTokenEvent, ForwardEvent
@@ -167,3 +168,18 @@ def test_decoding_sequences_over_one_prompt_read_its_shared_blocks_once(smol, se
     assert groups and max(n for n, _ in groups) >= 3 and min(s for _, s in groups) >= 32
     assert [g.token_ids for g in gens] == [serial[q] for q in QUESTIONS]
     engine.close()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 11, 15, 16])
+def test_logits_of_several_rows_equal_each_row_alone(rows):
+    """The lm_head of 8-15 rows runs padded to 16 (a faster GEMM path): same logits, same shape."""
+    from kvboost_engine.model.arch import LM_HEAD_SLOW_ROWS, ModelAdapter
+    from tiny_models import tiny_model
+    adapter = ModelAdapter(tiny_model("llama"))
+    assert adapter._pad_head_rows and LM_HEAD_SLOW_ROWS == (8, 16)
+    hidden = torch.randn(1, 20, adapter.config.hidden_size)
+    picked = list(range(2, 2 + rows))
+    together = adapter.logits_at(hidden, picked)
+    assert together.shape == (rows, adapter.config.vocab_size) and together.dtype == torch.float32
+    alone = torch.stack([adapter.logits_at(hidden, [r])[0] for r in picked])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)

@@ -199,7 +199,8 @@ class PagedSequence:
         _, heads, m, dim = query.shape
         ram = self.pool.ram
         kv_heads = ram.shape[2]
-        tail_k, tail_v = (ram[i, layer, :, scratch["tail"]].view(kv_heads, m, -1, dim) for i in (0, 1))  # [Hkv, M, L, D]
+        tail_k, tail_v = (ram[i, layer].index_select(1, scratch["tail"]).view(kv_heads, m, -1, dim)
+                          for i in (0, 1))                                                   # [Hkv, M, L, D]
         q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2).float()         # [Hkv, M, G, D]
         scores = torch.matmul(q, tail_k.float().transpose(-1, -2)).mul_(scaling)              # [Hkv, M, G, L]
         scores.masked_fill_(scratch["pad"], float("-inf"))
