@@ -50,6 +50,8 @@ class _LlamaCpp(System):
 
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
+        if self.completion:
+            raise RuntimeError("no completion-mode (base model) path for the llama.cpp rows yet")
         self.threads = torch.get_num_threads()
         self._build()
 

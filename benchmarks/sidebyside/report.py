@@ -29,7 +29,8 @@ def _llamacpp_note(result: dict) -> str:
 
 
 def _suffix(result) -> str:
-    return "-quick" if result["mode"] == "quick" else ""
+    model = result.get("model", "default")
+    return ("" if model == "default" else f"-{model}") + ("-quick" if result["mode"] == "quick" else "")
 
 
 def ran(result) -> list[str]:
@@ -120,6 +121,15 @@ def _prompt_sizes(result, workload: dict) -> str:
     return f"prompts of {min(sizes)}–{max(sizes)} tokens" if sizes else "prompt sizes not measured"
 
 
+def _format_note(result) -> str:
+    if not result.get("prompt_format", "chat template").startswith("plain"):
+        return ""
+    return ("A base model without a chat template: every system gets each request as one plain-text "
+            "transcript (\"User: ... / Assistant:\") through its completion call (LangChain rows: "
+            "`HuggingFacePipeline` and our `KVBoostLLM`; LlamaIndex rows: `complete`), our Engine rows with the "
+            "documents as their own segments; replies run to the token limit. ")
+
+
 def markdown(result, image_dir: str = "benchmarks/results") -> str:
     env, st = result["environment"], result["settings"]
     suffix = _suffix(result)
@@ -129,6 +139,7 @@ def markdown(result, image_dir: str = "benchmarks/results") -> str:
            f"threads {env['torch_threads']}; {env['model']}, {env['dtype']} on {env['device']}; torch {env['torch']}, "
            f"transformers {env['transformers']}; load average {env['load_average_start']:.1f} at start, "
            f"{env['load_average_end']:.1f} at end; {st['repeats']} repeat(s) after a warm-up; greedy decoding. "
+           f"{_format_note(result)}"
            f"Times are medians over repeats, with the min–max over repeats in brackets; "
            f"\"same reply\" is the share of requests whose text equals plain transformers' reply. "
            f"{_llamacpp_note(result)}"

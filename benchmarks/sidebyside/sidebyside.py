@@ -2,6 +2,7 @@
 (PyPI) and ours (engine, LangChain, LlamaIndex) on three workloads, one model, one machine.
 
     python -m benchmarks [--quick] [--readme]       (bash dev.sh bench [--quick] [--readme])
+    python -m benchmarks --model gemma3-270m [--quick]     (Gemma 3 270M: completion mode)
 
 Workloads (benchmarks.workloads): multi-turn chat replay, RAG with shuffled retrieved documents,
 coding assistant with a long system prompt and project files. Every system is built from the
@@ -11,8 +12,11 @@ repeats, warm-up excluded. All systems share one venv (huggingface-hub 1.33 sati
 transformers and langchain-huggingface) and run in this process. Peak RSS: each system alone in a
 fresh process.
 
-Writes benchmarks/results/sidebyside[-quick].{json,md} and PNG plots; --readme rewrites the
+Writes benchmarks/results/sidebyside[-<model>][-quick].{json,md} and PNG plots; --readme rewrites the
 README's results section (python -m benchmarks.sidebyside.report does the same from an existing JSON).
+`--model gemma3-270m` runs the same workloads on Gemma 3 270M, a base model without a chat
+template: every system gets each request as a plain-text transcript (systems.py says how), and
+the replayed chat turns are transformers' greedy continuations up to their first line break.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import aggregate, report
-from .._common import environment, load_default
+from .._common import MODELS, environment, load_model
 from .runner import log, probe_memory, run_timing
 from .systems import SYSTEMS, Transformers, build, set_attention, version
 from .workloads import Workload, chat_workload, coding_workload, rag_workload
@@ -49,7 +53,8 @@ def make_workloads(model, tokenizer, settings: dict) -> list[Workload]:
     plain = Transformers(model, tokenizer)
 
     def reply(messages):
-        return plain.answer_text(messages, settings["chat_tokens"])
+        text = plain.answer_text(messages, settings["chat_tokens"])
+        return text.split("\n")[0].strip() if plain.completion else text    # a base model runs on past its turn
     return [chat_workload(settings["turns"], settings["chat_tokens"], reply),
             rag_workload(settings["doc_counts"], settings["rag_questions"], settings["rag_tokens"]),
             coding_workload(settings["coding_steps"], settings["coding_tokens"])]
@@ -67,15 +72,15 @@ def build_systems(ids, model, tokenizer, baseline_attention: str) -> tuple[list,
     return built, status
 
 
-def load(threads: int):
+def load(threads: int, model_name: str = "default"):
     torch.set_num_threads(threads)
-    model, tokenizer = load_default()
+    model, tokenizer = load_model(model_name)
     return model, tokenizer, model.config._attn_implementation
 
 
 # ---- workers (child processes) ------------------------------------------------------------------
 def worker(args) -> None:
-    model, tokenizer, attention = load(args.threads)
+    model, tokenizer, attention = load(args.threads, args.model)
     workloads = [Workload.from_json(w) for w in json.loads(Path(args.workloads).read_text())]
     if args.worker == "memory":
         systems, status = build_systems([args.system], model, tokenizer, attention)
@@ -83,7 +88,7 @@ def worker(args) -> None:
     else:
         systems, status = build_systems(args.systems.split(","), model, tokenizer, attention)
         out = {"status": status, "raw": run_timing(systems, workloads, args.repeats),
-               "environment": environment(model), "attention": attention,
+               "environment": environment(model, args.model), "attention": attention,
                "versions": {s: version(SYSTEMS[s].package) for s in status}}
     Path(args.out).write_text(json.dumps(out))
 
@@ -106,13 +111,13 @@ def run(args) -> dict:
         settings["repeats"] = args.repeats
     wanted = args.systems.split(",") if args.systems else list(MAIN_SYSTEMS)
     started, load_start = time.time(), os.getloadavg()[0]
-    model, tokenizer, attention = load(args.threads)
+    model, tokenizer, attention = load(args.threads, args.model)
     workloads = make_workloads(model, tokenizer, settings)
     workdir = Path(tempfile.mkdtemp(prefix="kvboost-bench-"))
     spec, memory_spec = workdir / "workloads.json", workdir / "memory-workloads.json"
     spec.write_text(json.dumps([w.to_json() for w in workloads]))
     memory_spec.write_text(json.dumps([w.to_json() for w in workloads if w.name in settings["memory_workloads"]]))
-    memory_args = ["--workloads", str(memory_spec), "--threads", str(args.threads)]
+    memory_args = ["--workloads", str(memory_spec), "--threads", str(args.threads), "--model", args.model]
 
     systems, status = build_systems([s for s in wanted if s in MAIN_SYSTEMS], model, tokenizer, attention)
     groups = {"main": run_timing(systems, workloads, settings["repeats"])}
@@ -127,11 +132,13 @@ def run(args) -> dict:
                                                workdir, f"memory-{system_id}")
             except RuntimeError as err:
                 memory[system_id] = {"status": f"failed: {err}"}
-    env = environment(model)
+    env = environment(model, args.model)
     env.update(load_average_start=load_start, load_average_end=os.getloadavg()[0], wall_s=time.time() - started,
                baseline_attention=attention)
     return {
-        "benchmark": "sidebyside", "mode": mode, "settings": {**settings, "doc_counts": list(settings["doc_counts"]),
+        "benchmark": "sidebyside", "mode": mode, "model": args.model,
+        "prompt_format": "plain-text transcript (completion)" if not getattr(tokenizer, "chat_template", None)
+        else "chat template", "settings": {**settings, "doc_counts": list(settings["doc_counts"]),
                                                    "memory_workloads": list(settings["memory_workloads"])},
         "environment": env, "worker_environment": None,
         "systems": {s: {"label": SYSTEMS[s].label, "package": SYSTEMS[s].package,
@@ -146,6 +153,8 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small workloads, 1 repeat: a smoke test (minutes)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="default",
+                        help="the model by name (gemma3-270m: a base model, completion mode)")
     parser.add_argument("--repeats", type=int, default=0, help="override the mode's repeats")
     parser.add_argument("--systems", default="", help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -163,7 +172,9 @@ def main(argv=None) -> None:
     result = run(args)
     path = report.write_all(result, args.out_dir)
     print(report.markdown(result))
-    if args.readme:
+    if args.readme and args.model != "default":
+        log("--readme is for the default model's run; the results are in " + str(path))
+    elif args.readme:
         report.update_readme(result, ROOT / "README.md", path)
         log("README.md results section rewritten")
 

@@ -12,6 +12,11 @@ Every system answers a `workloads.Request` greedily and reports the same measure
 
 Peers get the model with its own attention implementation (sdpa); our systems switch it to
 kvboost's attention function for their calls (its fallback would otherwise sit under the peers).
+
+A model without a chat template (`--model gemma3-270m`, a base model) runs in completion mode:
+every system gets the request as one plain-text transcript (workloads.transcript_text) through
+its completion call, ours as transcript segments with the documents as their own segments
+(`engine.generate`). The llama.cpp rows have no completion path yet and report that.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from importlib import metadata
 
 import torch
 
-from .workloads import Request, flat_messages
+from .workloads import Request, flat_messages, transcript, transcript_text
 
 GIB = 1024**3
 
@@ -73,6 +78,7 @@ class System:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
+        self.completion = not getattr(tokenizer, "chat_template", None)     # a base model: plain text
 
     def reset(self) -> None:
         """Forget everything cached: the next sequence starts cold."""
@@ -100,8 +106,9 @@ class System:
         }
 
     def _prepare(self, request: Request):
-        """The caller's own input objects (messages of its framework), built before the clock starts."""
-        return flat_messages(request.messages)
+        """The caller's own input objects (messages of its framework, or the transcript text in
+        completion mode), built before the clock starts."""
+        return transcript_text(request.messages) if self.completion else flat_messages(request.messages)
 
     def _reply(self, prepared, max_new_tokens: int, clock: TokenClock) -> Reply:
         raise NotImplementedError
@@ -111,11 +118,15 @@ class Transformers(System):
     id, label, package = "transformers", "transformers `generate`", "transformers"
 
     def answer_text(self, messages: list[dict], max_new_tokens: int) -> str:
-        return self._reply(messages, max_new_tokens, TokenClock()).text.strip()
+        prompt = transcript_text(messages) if self.completion else messages
+        return self._reply(prompt, max_new_tokens, TokenClock()).text.strip()
 
     def _reply(self, messages, max_new_tokens, clock):
-        inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                    return_dict=True)
+        if isinstance(messages, str):
+            inputs = self.tokenizer(messages, return_tensors="pt")
+        else:
+            inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                        return_dict=True)
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         n = inputs["input_ids"].shape[1]
@@ -130,15 +141,20 @@ class LangChainHuggingFace(System):
         from langchain_huggingface import ChatHuggingFace, HuggingFacePipeline
         from transformers import pipeline
         pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, do_sample=False, return_full_text=False)
-        self.chat = ChatHuggingFace(llm=HuggingFacePipeline(pipeline=pipe), tokenizer=tokenizer,
-                                    model_id="SmolLM2-135M-Instruct")
+        self.llm = HuggingFacePipeline(pipeline=pipe)
+        self.chat = ChatHuggingFace(llm=self.llm, tokenizer=tokenizer, model_id="SmolLM2-135M-Instruct")
 
     def _prepare(self, request):
         from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+        if self.completion:
+            return transcript_text(request.messages)
         kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
         return [kinds[m["role"]](m["content"]) for m in flat_messages(request.messages)]
 
     def _reply(self, messages, max_new_tokens, clock):
+        if isinstance(messages, str):
+            text = self.llm.invoke(messages, pipeline_kwargs={"max_new_tokens": max_new_tokens})
+            return Reply(text, len(self.tokenizer(messages)["input_ids"]))
         reply = self.chat.invoke(messages, pipeline_kwargs={"max_new_tokens": max_new_tokens})
         prompt = self.chat._to_chat_prompt(messages)        # what it sent, for the token count only
         return Reply(reply.content, len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
@@ -152,16 +168,20 @@ class LlamaIndexHuggingFace(System):
         from llama_index.llms.huggingface import HuggingFaceLLM
         self._llms: dict[int, object] = {}
         self._make = lambda n: HuggingFaceLLM(model=model, tokenizer=tokenizer, max_new_tokens=n, device_map="cpu",
-                                              generate_kwargs={"do_sample": False}, is_chat_model=True,
+                                              generate_kwargs={"do_sample": False}, is_chat_model=not self.completion,
                                               context_window=model.config.max_position_embeddings)
         self._make(8)                                       # fails here, not mid-run, if it cannot work
 
     def _prepare(self, request):
         from llama_index.core.llms import ChatMessage
+        if self.completion:
+            return transcript_text(request.messages)
         return [ChatMessage(role=m["role"], content=m["content"]) for m in flat_messages(request.messages)]
 
     def _reply(self, messages, max_new_tokens, clock):
         llm = self._llms.get(max_new_tokens) or self._llms.setdefault(max_new_tokens, self._make(max_new_tokens))
+        if isinstance(messages, str):
+            return Reply(llm.complete(messages, formatted=True).text, len(self.tokenizer(messages)["input_ids"]))
         response = llm.chat(messages)
         prompt = llm.messages_to_prompt(messages)            # what it sent, for the token count only
         return Reply(response.message.content, len(self.tokenizer(prompt)["input_ids"]))
@@ -183,6 +203,8 @@ class KVBoostPyPI(System):
         self.engine.reset_cache()
 
     def _prepare(self, request):
+        if self.completion:
+            return transcript_text(request.messages)
         return self.tokenizer.apply_chat_template(flat_messages(request.messages), tokenize=False,
                                                   add_generation_prompt=True)
 
@@ -209,10 +231,20 @@ class OursEngine(System):
         self.engine = Engine(self.model, self.tokenizer, **self.options)
 
     def _prepare(self, request):
-        return flat_messages(request.messages) if self.flat else request.messages
+        return self._prompt(request.messages)
 
-    def _reply(self, messages, max_new_tokens, clock):
-        g = self.engine.chat(messages, max_new_tokens=max_new_tokens)
+    def _prompt(self, messages):
+        """Messages for `engine.chat`; in completion mode transcript segments for `engine.generate`
+        (the joined text when flat)."""
+        if self.completion:
+            return transcript_text(messages) if self.flat else transcript(messages)
+        return flat_messages(messages) if self.flat else messages
+
+    def _reply(self, prompt, max_new_tokens, clock):
+        if self.completion:
+            g = self.engine.generate(prompt, max_new_tokens=max_new_tokens)
+        else:
+            g = self.engine.chat(prompt, max_new_tokens=max_new_tokens)
         return Reply(g.text, g.prompt_tokens, g.reused_tokens, g.reused_exact, g.reused_moved)
 
 
@@ -235,9 +267,17 @@ class OursEngineCacheOrder(OursEngine):
 
     id, label = "ours-engine-cache-order", "ours: Engine, cache-aware document order"
 
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer)
+        if self.completion:
+            raise RuntimeError("Engine.order_documents orders chat messages: no row for a model without a chat template")
+
+    def _prepare(self, request):
+        return request.messages
+
     def _reply(self, messages, max_new_tokens, clock):
         ordered, _ = self.engine.order_documents(messages)
-        return super()._reply(ordered, max_new_tokens, clock)
+        return super()._reply(self._prompt(ordered), max_new_tokens, clock)
 
 
 class OursLangChain(OursEngine):
@@ -247,6 +287,8 @@ class OursLangChain(OursEngine):
         from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
         from kvboost_integrations.langchain import document_block
+        if self.completion:                             # KVBoostLLM: a prompt string, no document parts
+            return transcript_text(request.messages)
         kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
 
         def content(c):
@@ -257,7 +299,12 @@ class OursLangChain(OursEngine):
         return [kinds[m["role"]](content(m["content"])) for m in request.messages]
 
     def _reply(self, messages, max_new_tokens, clock):
-        from kvboost_integrations.langchain import ChatKVBoost
+        from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM
+        if isinstance(messages, str):
+            out = KVBoostLLM(engine=self.engine, max_tokens=max_new_tokens).generate([messages]).generations[0][0]
+            info = out.generation_info
+            return Reply(out.text, info["usage_metadata"]["input_tokens"], info["reused_tokens"],
+                         info["reused_exact"], info["reused_moved"])
         reply = ChatKVBoost(engine=self.engine, max_tokens=max_new_tokens).invoke(messages)
         meta = reply.response_metadata
         return Reply(reply.content, reply.usage_metadata["input_tokens"], meta["reused_tokens"],
@@ -271,6 +318,8 @@ class OursLlamaIndex(OursEngine):
         from llama_index.core.llms import ChatMessage
 
         from kvboost_integrations.llama_index.messages import document_message
+        if self.completion:                             # complete(formatted=True): a prompt string
+            return transcript_text(request.messages)
 
         def message(m):
             if isinstance(m["content"], str):
@@ -280,10 +329,15 @@ class OursLlamaIndex(OursEngine):
 
     def _reply(self, messages, max_new_tokens, clock):
         from kvboost_integrations.llama_index import KVBoost
-        response = KVBoost(engine=self.engine, max_new_tokens=max_new_tokens).chat(messages)
+        llm = KVBoost(engine=self.engine, max_new_tokens=max_new_tokens)
+        if isinstance(messages, str):
+            response = llm.complete(messages, formatted=True)
+            text = response.text
+        else:
+            response = llm.chat(messages)
+            text = response.message.content
         t = response.raw["kvboost"]
-        return Reply(response.message.content, t["prompt_tokens"], t["reused_tokens"], t["reused_exact"],
-                     t["reused_moved"])
+        return Reply(text, t["prompt_tokens"], t["reused_tokens"], t["reused_exact"], t["reused_moved"])
 
 
 from .llamacpp import LlamaCppLangChain, LlamaCppLlamaIndex  # noqa: E402 - its classes extend System above

@@ -10,7 +10,8 @@
 
 Documents and files are content parts of type "document"; `flat_messages` joins the parts of a
 message into one string (the same text our engine renders), which is what every system
-without document structure receives.
+without document structure receives. A model without a chat template (Gemma 3 270M, a base
+model) gets each request as a plain-text transcript instead (`transcript`, `transcript_text`).
 """
 from __future__ import annotations
 
@@ -75,6 +76,34 @@ def flat_messages(messages: list[dict]) -> list[dict]:
     """Every message's parts joined into one string: the prompt of a system without document parts."""
     return [{**m, "content": m["content"] if isinstance(m["content"], str)
              else PART_SEPARATOR.join(part["text"] for part in m["content"])} for m in messages]
+
+
+def transcript(messages: list[dict]) -> list[dict]:
+    """A conversation as plain-text segments, for a base model without a chat template: the system
+    prompt, then "User: ..." and "Assistant: ..." lines, ending with "Assistant:". Documents stay
+    their own segments (our engine finds them again wherever they land); `transcript_text` joins
+    the same segments into the one string every other system receives."""
+    out: list[dict] = []
+    for m in messages:
+        content = m["content"]
+        if m["role"] == "system":
+            out.append({"text": f"{content}\n\n", "kind": "system"})
+            continue
+        label = "User" if m["role"] == "user" else "Assistant"
+        out.append({"text": f"{label}: ", "kind": "glue"})
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for i, part in enumerate(parts):
+            if i:
+                out.append({"text": PART_SEPARATOR, "kind": "glue"})
+            kind = "document" if part["type"] == "document" else m["role"]
+            out.append({"text": part["text"], "kind": kind})
+        out.append({"text": "\n", "kind": "glue"})
+    out.append({"text": "Assistant:", "kind": "glue"})
+    return out
+
+
+def transcript_text(messages: list[dict]) -> str:
+    return "".join(segment["text"] for segment in transcript(messages))
 
 
 def chat_workload(turns: int, max_new_tokens: int, reply: Callable[[list[dict]], str]) -> Workload:

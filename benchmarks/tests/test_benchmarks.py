@@ -185,3 +185,14 @@ def test_side_by_side_paths_point_at_the_repository():
         assert (root / "README.md").is_file() and (root / "benchmarks" / "results").is_dir()
     module = importlib.util.find_spec("benchmarks.sidebyside.sidebyside")
     assert module is not None and "def main" in Path(module.origin).read_text()
+
+
+def test_transcript_keeps_documents_as_segments_and_joins_to_the_flat_text():
+    from benchmarks.sidebyside.workloads import transcript, transcript_text
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "document", "text": "Doc A."}, {"type": "text", "text": "Q?"}]},
+                {"role": "assistant", "content": "A."}, {"role": "user", "content": "More?"}]
+    segments = transcript(messages)
+    assert [s["text"] for s in segments if s["kind"] == "document"] == ["Doc A."]
+    assert transcript_text(messages) == "".join(s["text"] for s in segments) == (
+        "Be brief.\n\nUser: Doc A.\n\nQ?\nAssistant: A.\nUser: More?\nAssistant:")
