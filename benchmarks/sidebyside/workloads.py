@@ -80,9 +80,11 @@ def flat_messages(messages: list[dict]) -> list[dict]:
 
 def transcript(messages: list[dict]) -> list[dict]:
     """A conversation as plain-text segments, for a base model without a chat template: the system
-    prompt, then "User: ..." and "Assistant: ..." lines, ending with "Assistant:". Documents stay
-    their own segments (our engine finds them again wherever they land); `transcript_text` joins
-    the same segments into the one string every other system receives."""
+    prompt, then "User: ..." and "Assistant: ..." lines (a message of parts starts them on the
+    next line), ending with "Assistant:". Documents stay their own segments (our engine finds
+    them again wherever they land); `transcript_text` joins the same segments into the one string
+    every other system receives. Segments split where the tokenizer splits the joined text, so
+    both give the same tokens."""
     out: list[dict] = []
     for m in messages:
         content = m["content"]
@@ -90,13 +92,15 @@ def transcript(messages: list[dict]) -> list[dict]:
             out.append({"text": f"{content}\n\n", "kind": "system"})
             continue
         label = "User" if m["role"] == "user" else "Assistant"
-        out.append({"text": f"{label}: ", "kind": "glue"})
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        for i, part in enumerate(parts):
-            if i:
-                out.append({"text": PART_SEPARATOR, "kind": "glue"})
-            kind = "document" if part["type"] == "document" else m["role"]
-            out.append({"text": part["text"], "kind": kind})
+        if isinstance(content, str):            # the space goes with the text: " How" is one token, as in the flat text
+            out += [{"text": f"{label}:", "kind": "glue"}, {"text": f" {content}", "kind": m["role"]}]
+        else:                                   # parts start on their own line, wherever they are
+            out.append({"text": f"{label}:\n", "kind": "glue"})
+            for i, part in enumerate(content):
+                if i:
+                    out.append({"text": PART_SEPARATOR, "kind": "glue"})
+                kind = "document" if part["type"] == "document" else m["role"]
+                out.append({"text": part["text"], "kind": kind})
         out.append({"text": "\n", "kind": "glue"})
     out.append({"text": "Assistant:", "kind": "glue"})
     return out

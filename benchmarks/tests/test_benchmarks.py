@@ -195,4 +195,4 @@ def test_transcript_keeps_documents_as_segments_and_joins_to_the_flat_text():
     segments = transcript(messages)
     assert [s["text"] for s in segments if s["kind"] == "document"] == ["Doc A."]
     assert transcript_text(messages) == "".join(s["text"] for s in segments) == (
-        "Be brief.\n\nUser: Doc A.\n\nQ?\nAssistant: A.\nUser: More?\nAssistant:")
+        "Be brief.\n\nUser:\nDoc A.\n\nQ?\nAssistant: A.\nUser: More?\nAssistant:")
