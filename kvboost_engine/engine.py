@@ -6,6 +6,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -23,7 +24,7 @@ from .weights.quantized import check_weights_format
 from .request.decode import Channel, EngineParts, Request, check_window, store
 from .request.generation import Generation, GenerationStream
 from .request.openmp import release_thread_pool
-from .request.ordering import order_documents
+from .request.ordering import order_documents, order_segments
 from .request.prefill import PrefillParts, prefill
 from .request.scheduler import Scheduler
 from .request.prompt import ChatRenderer, segments_from_prompt
@@ -240,15 +241,22 @@ class Engine:
         self.cache.release(match.table)
         return match.length
 
-    def order_documents(self, messages) -> tuple[list[dict], int]:
-        """Cache-aware document order: within each run of document parts, documents whose KV is
-        cached right after the prompt so far go first (exact-prefix hits: replies as without
-        cache for that order); the others keep their relevance order. Returns the reordered
-        messages and how many documents were placed from the cache."""
+    def order_documents(self, prompt) -> tuple[list, int]:
+        """Cache-aware document order: within each run of document parts of chat messages (or of
+        "document" segments of a plain prompt), documents whose KV is cached right after the prompt
+        so far go first (exact-prefix hits: replies as without cache for that order); the others
+        keep their relevance order. Returns the reordered messages (or segments, as given) and how
+        many documents were placed from the cache."""
         self._check_open()
-        self.encode_messages(messages)                      # validates before any lookup
+        if not isinstance(prompt, str) and prompt and all(not (isinstance(m, Mapping) and "role" in m) for m in prompt):
+            segments = segments_from_prompt(prompt)
+            encode = lambda trial: self.prompt_tokenizer.encode(trial, add_special_prefix=True)  # noqa: E731
+            ordered, placed = order_segments(segments, encode, self.cache.cached_prefix)
+            where = {id(seg): i for i, seg in enumerate(segments)}
+            return [prompt[where[id(seg)]] for seg in ordered], placed
+        self.encode_messages(prompt)                        # validates before any lookup
         encode = lambda trial: self.encode_messages(trial, add_generation_prompt=False)  # noqa: E731
-        return order_documents(list(messages), encode, self.cache.cached_prefix)
+        return order_documents(list(prompt), encode, self.cache.cached_prefix)
 
     def warm_documents(self, documents, *, system: str | None = None, pin: bool = False) -> int:
         """Cache each document as the first part of a user message after `system` (the layout of

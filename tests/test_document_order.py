@@ -47,9 +47,28 @@ def test_documents_carried_in_chat_history_are_reused_exactly(engine, cold_engin
     assert second.token_ids == cold_engine.chat(messages, max_new_tokens=10).token_ids
 
 
+def segments(order, question):
+    return ([{"text": "Notes:\n", "kind": "system"}] + [{"text": f"{DOCS[i]}\n", "kind": "document"} for i in order]
+            + [{"text": f"Q: {question}\nA:", "kind": "text"}])
+
+
+def test_plain_prompt_segments_are_ordered_the_same_way(engine, cold_engine):
+    engine.generate(segments([3, 1], "First?"), max_new_tokens=1)
+    prompt = segments([1, 5, 3], "Second?")
+    ordered, placed = engine.order_documents(prompt)
+    assert placed == 2 and [s["text"] for s in ordered[1:4]] == [f"{DOCS[i]}\n" for i in (3, 1, 5)]
+    assert ordered[0] is prompt[0] and ordered[-1] is prompt[-1]           # the items given, reordered
+    g = engine.generate(ordered, max_new_tokens=8)
+    assert g.reused_moved == 0 and g.reused_exact >= engine.count_tokens("Notes:\n" + DOCS[3] + "\n")
+    assert g.token_ids == cold_engine.generate(ordered, max_new_tokens=8).token_ids
+    assert engine.order_documents(segments([2, 0], "None cached?"))[1] == 0
+
+
 def test_bad_documents_are_input_errors(engine):
     from kvboost_engine import InputError
     with pytest.raises(InputError):
         engine.warm_documents([5])
     with pytest.raises(InputError):
         engine.order_documents("not messages")
+    with pytest.raises(InputError):
+        engine.order_documents([{"text": "a segment"}, 5])

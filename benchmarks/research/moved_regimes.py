@@ -21,7 +21,11 @@ Every configuration is its own engine on the same model; questions run interleav
 Reported per configuration: accuracy, its gap to no cache with the paired standard error, agreement
 of the greedy reply with no cache's, mean first-token KL, reuse shares, TTFT speedup over no cache.
 
-Run: python -m benchmarks.research.moved_regimes --regime alone [--questions 200 --seed 1
+Models: the default (chat prompts) or Gemma 3 270M (--model gemma3-270m: the base model's few-shot
+completion prompt of moved_quality, documents as "document" segments; --no-window-rule lets moved
+reuse move documents shorter than its 512-token window, which the engine otherwise recomputes).
+
+Run: python -m benchmarks.research.moved_regimes --regime alone [--model default --questions 200 --seed 1
      --configs exact,cache-order,none,blend-0.15,blend-0.3,head-16,head-32,attention-0.15]
 """
 from __future__ import annotations
@@ -35,48 +39,68 @@ from pathlib import Path
 
 from kvboost_engine import Engine
 
-from .._common import environment, load_default
+from .._common import MODELS, environment, load_model
 from ..data.qa import build
-from .moved_quality import SYSTEM, ask, kl, messages_for, paired_gap
+from .moved_quality import FEW_SHOT, SYSTEM, ask, completion_for, kl, messages_for, paired_gap, request
 
 REGIMES = ("alone", "groups", "earlier", "shared")
 DEFAULT_CONFIGS = "exact,cache-order,none,blend-0.15,blend-0.3,head-16,head-32,attention-0.15"
 
 
-def config_options(name: str) -> dict:
+def config_options(name: str, window_rule: bool = True) -> dict:
     """Engine options of a configuration name."""
     if name in ("exact", "cache-order"):
         return {}
+    moved = {"moved_window_rule": window_rule}
     if name == "none":
-        return {"moved_reuse": "none"}
+        return {"moved_reuse": "none", **moved}
     kind, _, value = name.partition("-")
     if kind == "blend":
-        return {"moved_reuse": "blend", "recompute_ratio": float(value)}
+        return {"moved_reuse": "blend", "recompute_ratio": float(value), **moved}
     if kind == "head":
-        return {"moved_reuse": "blend", "recompute_ratio": 0.15, "recompute_head_tokens": int(value)}
+        return {"moved_reuse": "blend", "recompute_ratio": 0.15, "recompute_head_tokens": int(value), **moved}
     if kind == "attention":
         return {"moved_reuse": "blend", "recompute_ratio": float(value), "moved_selection": "attention",
-                "check_layer": 7}
+                "check_layer": 7, **moved}
     raise ValueError(f"unknown configuration {name!r}")
 
 
+def chat_format(engine: Engine) -> bool:
+    return bool(getattr(engine.tokenizer, "chat_template", None))
+
+
 def warm(engine: Engine, regime: str, docs: list[str]) -> None:
+    chat = chat_format(engine)
     if regime == "alone":
         for doc in docs:
-            engine.chat([{"role": "system", "content": "Summarise the document in one line."},
-                         {"role": "user", "content": [{"type": "document", "text": doc}]}], max_new_tokens=1)
+            if chat:
+                engine.chat([{"role": "system", "content": "Summarise the document in one line."},
+                             {"role": "user", "content": [{"type": "document", "text": doc}]}], max_new_tokens=1)
+            else:
+                engine.generate([{"text": "Summarise the document in one line.\n\n", "kind": "system"},
+                                 {"text": f"Document: {doc}\n", "kind": "document"},
+                                 {"text": "Summary:", "kind": "text"}], max_new_tokens=1)
     elif regime == "groups":
         for i in range(0, len(docs), 5):
-            engine.chat(messages_for(docs[i:i + 5], "Which organisations are described?"), max_new_tokens=1)
+            request(engine, docs[i:i + 5], "Which organisations are described?", max_new_tokens=1)
     elif regime == "shared":
-        engine.warm_documents(docs, system=SYSTEM)
+        if chat:
+            engine.warm_documents(docs, system=SYSTEM)
+        else:
+            for doc in docs:
+                engine.generate([{"text": FEW_SHOT, "kind": "system"},
+                                 {"text": f"Document: {doc}\n", "kind": "document"}], max_new_tokens=1)
 
 
 def ask_config(name: str, engine: Engine, question) -> dict:
     if name != "cache-order":
         return ask(engine, question)
-    ordered, placed = engine.order_documents(messages_for(question.documents, question.question))
-    documents = tuple(p["text"] for p in ordered[1]["content"] if p["type"] == "document")
+    if chat_format(engine):
+        ordered, placed = engine.order_documents(messages_for(question.documents, question.question))
+        documents = tuple(p["text"] for p in ordered[1]["content"] if p["type"] == "document")
+    else:
+        ordered, placed = engine.order_documents(completion_for(question.documents, question.question))
+        documents = tuple(s["text"][len("Document: "):-1] for s in ordered if s["kind"] == "document")
     gold = documents.index(question.documents[question.gold])
     row = ask(engine, dataclasses.replace(question, documents=documents, gold=gold))
     row["documents_from_cache"] = placed
@@ -101,15 +125,17 @@ def summarise(name: str, rows: list[dict], reference: list[dict]) -> dict:
     return summary
 
 
-def run(regime: str, configs: list[str], questions: int, seed: int, budget: int, deadline_s: float | None = None) -> dict:
+def run(regime: str, configs: list[str], questions: int, seed: int, budget: int, deadline_s: float | None = None,
+        model_name: str = "default", window_rule: bool = True) -> dict:
     """Every configuration on the first `questions` questions; with `deadline_s`, no new question starts
     after that many seconds, and the result counts the questions asked."""
     started = time.monotonic()
-    model, tokenizer = load_default()
+    model, tokenizer = load_model(model_name)
     docs, items = build(seed=seed)
     items = items[:questions]
     engines = {"no-cache": Engine(model, tokenizer, cache_bytes=0)}
-    engines.update({name: Engine(model, tokenizer, cache_bytes=budget, **config_options(name)) for name in configs})
+    engines.update({name: Engine(model, tokenizer, cache_bytes=budget, **config_options(name, window_rule))
+                    for name in configs})
     for name, engine in engines.items():
         if name != "no-cache":
             warm(engine, regime, docs)
@@ -127,13 +153,18 @@ def run(regime: str, configs: list[str], questions: int, seed: int, budget: int,
     for rows in results.values():
         for row in rows:
             row.pop("logits")
-    return {"benchmark": "moved_regimes", "regime": regime, "environment": environment(model), "seed": seed,
+    return {"benchmark": "moved_regimes", "regime": regime, "environment": environment(model, model_name),
+            "seed": seed, "window_rule": window_rule, "wall_s": round(time.monotonic() - started, 1),
+            "prompt_format": "chat" if getattr(tokenizer, "chat_template", None) else "few-shot completion",
             "questions": len(results["no-cache"]), "questions_asked_for": len(items), "summary": summaries}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--regime", choices=REGIMES, required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), default="default")
+    parser.add_argument("--no-window-rule", action="store_true",
+                        help="move whole spans on sliding-window models (EngineConfig.moved_window_rule=False)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1, help="QA set seed (1: held-out set)")
@@ -146,10 +177,12 @@ def main(argv=None) -> None:
     for name in configs:
         config_options(name)                                # refuse typos before loading anything
     deadline = None if args.deadline_min is None else args.deadline_min * 60
-    result = run(args.regime, configs, args.questions, args.seed, int(args.cache_gib * 2**30), deadline)
+    result = run(args.regime, configs, args.questions, args.seed, int(args.cache_gib * 2**30), deadline, args.model,
+                 not args.no_window_rule)
     for s in result["summary"]:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
-    out = Path(args.out or f"benchmarks/results/moved_regimes_{args.regime}.json")
+    suffix = "" if args.model == "default" else f"_{args.model}"
+    out = Path(args.out or f"benchmarks/results/moved_regimes_{args.regime}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 

@@ -4,6 +4,7 @@ RAG prompts often bring back documents that earlier prompts had already put in s
 the same system prompt. Placing first the documents that continue a cached sequence (a prefix tree
 over document sequences, as RAGCache does) turns them into exact-prefix hits: the same tokens as
 no cache, no approximation. Documents that continue nothing cached keep their relevance order.
+The same holds for a plain prompt of segments (`Engine.generate`): runs of "document" segments.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def order_documents(messages: list[dict], encode: Callable[[list[dict]], Tokeniz
         content = message.get("content")
         if not isinstance(content, list):
             continue
-        for first, last in _document_runs(content):
+        for first, last in _document_runs(content, _is_document_part):
             run, count = _order_run(out[:index], message, content[:first], content[first:last], encode, cached_prefix)
             content = content[:first] + run + content[last:]
             placed += count
@@ -33,11 +34,31 @@ def order_documents(messages: list[dict], encode: Callable[[list[dict]], Tokeniz
     return out, placed
 
 
-def _document_runs(parts: list) -> list[tuple[int, int]]:
-    """[first, last) of each run of consecutive document parts."""
+def order_segments(segments: list, encode: Callable[[list], TokenizedPrompt],
+                   cached_prefix: Callable[[list[int], int], int]) -> tuple[list, int]:
+    """A plain prompt's segments with each run of "document" segments reordered as
+    `order_documents` does; and how many documents were placed from the cache.
+
+    `encode(segments)` tokenizes a segment list as a prompt; `cached_prefix` as above.
+    """
+    out, placed = list(segments), 0
+    for first, last in _document_runs(out, lambda seg: getattr(seg, "kind", None) == "document"):
+        head = out[:first]
+        run, count = _greedy(out[first:last], lambda trial: _continues_cache(head + trial, encode, cached_prefix))
+        out[first:last] = run
+        placed += count
+    return out, placed
+
+
+def _is_document_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "document"
+
+
+def _document_runs(parts: list, is_document: Callable[[object], bool]) -> list[tuple[int, int]]:
+    """[first, last) of each run of consecutive items that are documents."""
     runs, start = [], None
     for i, part in enumerate(parts + [None]):
-        is_doc = isinstance(part, dict) and part.get("type") == "document"
+        is_doc = part is not None and is_document(part)
         if is_doc and start is None:
             start = i
         elif not is_doc and start is not None:
@@ -47,11 +68,15 @@ def _document_runs(parts: list) -> list[tuple[int, int]]:
 
 
 def _order_run(before: list[dict], message: dict, head: list, documents: list, encode, cached_prefix):
+    return _greedy(documents, lambda trial: _continues_cache(before + [{**message, "content": head + trial}],
+                                                             encode, cached_prefix))
+
+
+def _greedy(documents: list, continues: Callable[[list], bool]) -> tuple[list, int]:
+    """Documents that continue the cache first (each after those chosen before it), the rest in order."""
     chosen, remaining = [], list(documents)
     while remaining:
-        hit = next((d for d in remaining
-                    if _continues_cache(before + [{**message, "content": head + chosen + [d]}], encode, cached_prefix)),
-                   None)
+        hit = next((d for d in remaining if continues(chosen + [d])), None)
         if hit is None:
             break
         chosen.append(hit)
