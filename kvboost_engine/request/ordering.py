@@ -43,8 +43,8 @@ def order_segments(segments: list, encode: Callable[[list], TokenizedPrompt],
     """
     out, placed = list(segments), 0
     for first, last in _document_runs(out, lambda seg: getattr(seg, "kind", None) == "document"):
-        head = out[:first]
-        run, count = _greedy(out[first:last], lambda trial: _continues_cache(head + trial, encode, cached_prefix))
+        run, count = _greedy(out[first:last],
+                             lambda trial, head=out[:first]: _continues_cache(head + trial, encode, cached_prefix))
         out[first:last] = run
         placed += count
     return out, placed
