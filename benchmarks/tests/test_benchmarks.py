@@ -196,3 +196,24 @@ def test_transcript_keeps_documents_as_segments_and_joins_to_the_flat_text():
     assert [s["text"] for s in segments if s["kind"] == "document"] == ["Doc A."]
     assert transcript_text(messages) == "".join(s["text"] for s in segments) == (
         "Be brief.\n\nUser:\nDoc A.\n\nQ?\nAssistant: A.\nUser: More?\nAssistant:")
+
+
+def test_frontier_marks_configurations_nothing_beats_and_tabulates_each_regime():
+    from benchmarks.research import frontier
+    from benchmarks.research.moved_regimes import config_options
+
+    def s(config, acc, speed):
+        return {"config": config, "accuracy": acc, "accuracy_gap": acc - 0.3, "accuracy_gap_se": 0.02,
+                "median_ttft_speedup": speed}
+    summary = [s("no-cache", 0.3, 1.0), s("exact", 0.3, 1.2), s("none", 0.2, 3.0), s("blend-0.15", 0.19, 2.5),
+               s("head-16", 0.25, 2.4)]
+    assert frontier.on_frontier(summary) == {"exact", "none", "head-16"}     # blend-0.15: none is faster and better
+    result = {"benchmark": "moved_regimes", "regime": "alone", "questions": 200,
+              "environment": {"model": "M (x)"}, "summary": summary}
+    text = frontier.table([result])
+    assert "| alone | 200 | 30.0 / 1.00x | 30.0 (+0.0 ± 2.0) / 1.20x* |" in text and "not run" not in text
+    assert config_options("head-16", window_rule=False) == {"moved_reuse": "blend", "recompute_ratio": 0.15,
+                                                            "recompute_head_tokens": 16, "moved_window_rule": False}
+    assert config_options("cache-order") == {}
+    with pytest.raises(ValueError):
+        config_options("blend")
