@@ -30,8 +30,8 @@ class EngineConfig:
         share of moved tokens: first the `recompute_head_tokens` first tokens of each moved span,
         then those whose KV deviates most at `check_layer`: faster, but it changes some answers (the
         README gives the measured cost, per warm-up regime, and the frontier these defaults come
-        from: 16 head tokens kept 0.5-9.5 points more answers than 4 at the same cost); "none"
-        re-rotates only.
+        from: 16 head tokens kept more or as many answers as 4 in 5 of 6 model-regime pairs, at the
+        same cost); "none" re-rotates only.
     moved_window_rule: on models with sliding-window layers (window W), the first W - 1 tokens of
         a moved span, whose windows reach into the text before it, are computed instead of moved,
         and spans of at most W - 1 tokens are not moved at all. False moves whole spans (their

@@ -248,7 +248,7 @@ class Engine:
         keep their relevance order. Returns the reordered messages (or segments, as given) and how
         many documents were placed from the cache."""
         self._check_open()
-        if not isinstance(prompt, str) and prompt and all(not (isinstance(m, Mapping) and "role" in m) for m in prompt):
+        if isinstance(prompt, (list, tuple)) and prompt and not any(isinstance(m, Mapping) and "role" in m for m in prompt):
             segments = segments_from_prompt(prompt)
             encode = lambda trial: self.prompt_tokenizer.encode(trial, add_special_prefix=True)  # noqa: E731
             ordered, placed = order_segments(segments, encode, self.cache.cached_prefix)

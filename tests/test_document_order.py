@@ -72,3 +72,5 @@ def test_bad_documents_are_input_errors(engine):
         engine.order_documents("not messages")
     with pytest.raises(InputError):
         engine.order_documents([{"text": "a segment"}, 5])
+    with pytest.raises(InputError):
+        engine.order_documents(5)
