@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import statistics
 import time
 import platform
+from pathlib import Path
 
 import torch
 
@@ -99,3 +101,12 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def save_result(result: dict, out: str | None, stem: str, model: str = "default") -> Path:
+    """Write a benchmark's result as JSON to `out`, or to benchmarks/results/<stem>[_<model>].json."""
+    suffix = "" if model == "default" else f"_{model}"
+    path = Path(out or f"benchmarks/results/{stem}{suffix}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path

@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 from kvboost_engine import Engine
 
-from .._common import MODELS, environment, load_model
+from .._common import MODELS, environment, load_model, save_result
 from ..data.qa import build
 
 SYSTEM = "Answer the question using the documents. Reply with the answer only, in a few words."
@@ -112,10 +111,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     result = run(args.regime, args.questions, args.seed, args.model)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items() if k != "environment"}))
-    suffix = "" if args.model == "default" else f"_{args.model}"
-    out = Path(args.out or f"benchmarks/results/joined_reuse_{args.regime}{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    save_result(result, args.out, f"joined_reuse_{args.regime}", args.model)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,13 @@ import copy
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from kvboost_engine import Engine
 
-from .._common import MODELS, environment, load_model, median_time
+from .._common import MODELS, environment, load_model, median_time, save_result
 
 SYSTEM_PROMPT = " ".join([
     "You are Sol, the in-house assistant of the Helios solar panel company.",
@@ -205,10 +204,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     result = run(args.turns, args.repeats, args.reply_tokens, args.model)
     print(json.dumps(result["summary"], indent=2))
-    suffix = "" if args.model == "default" else f"_{args.model}"
-    out = Path(args.out or f"benchmarks/results/multiturn{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    save_result(result, args.out, "multiturn", args.model)
 
 
 if __name__ == "__main__":

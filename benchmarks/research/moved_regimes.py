@@ -35,11 +35,10 @@ import dataclasses
 import json
 import statistics
 import time
-from pathlib import Path
 
 from kvboost_engine import Engine
 
-from .._common import MODELS, environment, load_model
+from .._common import MODELS, environment, load_model, save_result
 from ..data.qa import build
 from .moved_quality import FEW_SHOT, SYSTEM, ask, completion_for, kl, messages_for, paired_gap, request
 
@@ -181,10 +180,7 @@ def main(argv=None) -> None:
                  not args.no_window_rule)
     for s in result["summary"]:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
-    suffix = "" if args.model == "default" else f"_{args.model}"
-    out = Path(args.out or f"benchmarks/results/moved_regimes_{args.regime}{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    save_result(result, args.out, f"moved_regimes_{args.regime}", args.model)
 
 
 if __name__ == "__main__":
