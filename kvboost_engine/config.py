@@ -55,6 +55,13 @@ class EngineConfig:
         (pinned when the model is on CUDA) and attention runs there, while the weights stay on
         the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
         does not fit on the GPU. Implies paged KV.
+    native_decode: one sequence's decode step as one call into native code (kvboost_engine/native:
+        every layer in AVX512-VNNI integer kernels, no PyTorch op per norm or projection), for
+        models converted with weights="int4" (Llama, Mistral, Qwen2 layouts). None (default): on
+        where it can run (x86-64 Linux, AVX512-VNNI, a C++ compiler for the one-time build), else
+        the PyTorch layer loop; True: required (InputError with the reason where it cannot run);
+        False: off. It quantizes activations to int8 per block of 32, so its replies can differ
+        from the PyTorch int4 path's; Engine.stats() says whether it runs and why not.
     max_running: most requests decoding or prefilling at once in the engine's batch (continuous
         batching: every step is one forward over all of them).
     max_batch_tokens: most tokens one batch step computes (decode tokens plus prompt chunks);
@@ -82,6 +89,7 @@ class EngineConfig:
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     disk_kv_int8: bool = False
     kv_device: str | None = None
+    native_decode: bool | None = None
     max_running: int = 16
     max_batch_tokens: int | None = None
     max_waiting: int = 1024
@@ -96,10 +104,10 @@ class EngineConfig:
             raise InputError(f"recompute_ratio must be a number in [0, 1], got {self.recompute_ratio!r}")
         if self.moved_selection not in MOVED_SELECTIONS:
             raise InputError(f"moved_selection must be one of {', '.join(MOVED_SELECTIONS)}, got {self.moved_selection!r}")
-        for name in ("paged", "disk_kv_int8"):
+        for name in ("paged", "disk_kv_int8", "native_decode"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "paged" and value is None):
-                allowed = "None, True or False" if name == "paged" else "True or False"
+            if not isinstance(value, bool) and not (name != "disk_kv_int8" and value is None):
+                allowed = "True or False" if name == "disk_kv_int8" else "None, True or False"
                 raise InputError(f"{name} must be {allowed}, got {value!r}")
         if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, (str, os.PathLike)):
             raise InputError(f"disk_cache_dir must be None or a path, got {self.disk_cache_dir!r}")

@@ -32,7 +32,7 @@ from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
-                     logits_size, pool_for, resolve_dtype, weight_stats)
+                     logits_size, native_decoder_for, pool_for, resolve_dtype, weight_stats)
 
 
 class Engine:
@@ -66,7 +66,8 @@ class Engine:
                                 disk_codec_for(self.config, adapter))
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
         self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        runner = ModelRunner(Forward(adapter), self.instruments)
+        self._native, self._native_off = native_decoder_for(self.config, adapter)
+        runner = ModelRunner(Forward(adapter, self._native), self.instruments)
         prefill_parts = PrefillParts(adapter, runner, self.cache, RopeMover(adapter), self.config)
         self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),
                                   self.instruments)
@@ -277,7 +278,10 @@ class Engine:
         with self._counter_lock:
             counters = dict(self._counters)
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
-        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model)}
+        native = {"native_decode": self._native is not None}
+        if self._native is None:
+            native["native_decode_off"] = self._native_off
+        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native}
 
     def memory(self) -> dict:
         """Bytes this engine holds for KV, by holder: the pool, cached chunks, running requests,

@@ -176,3 +176,16 @@ def weight_stats(model) -> dict:
     if streamer is not None:
         out.update(streamer.telemetry())
     return out
+
+
+def native_decoder_for(config: EngineConfig, adapter: ModelAdapter):
+    """(the native decode step, None) per `native_decode`, or (None, why it is off).
+
+    InputError when native_decode=True and it cannot run here."""
+    if config.native_decode is False:
+        return None, "off (native_decode=False)"
+    from .native.decoder import native_decoder
+    decoder, reason = native_decoder(adapter)
+    if decoder is None and config.native_decode:
+        raise InputError(f"native_decode=True, but the native decode step cannot run: {reason}")
+    return decoder, reason

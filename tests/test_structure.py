@@ -17,6 +17,7 @@ ROOMS = {
     "weights": {"model"},
     "constrained": set(),
     "request": {"kv", "model", "constrained"},
+    "native": {"model", "weights"},
 }
 BASE = {"errors", "config", "paths", "instrument"}
 

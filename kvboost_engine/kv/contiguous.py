@@ -27,6 +27,7 @@ class SequenceKV:
         self.pool = pool
         self.data = torch.empty(2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim, dtype=g.dtype, device=device)
         self.device = self.data.device
+        self._slots: torch.Tensor | None = None
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Store new K/V `[1, kv_heads, n, head_dim]` at positions start..start+n."""
@@ -40,6 +41,13 @@ class SequenceKV:
 
     def gather(self, layer: int, positions: torch.Tensor):
         return self.data[0, layer, :, :, positions], self.data[1, layer, :, :, positions]
+
+    def slot_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer as [2, layers, kv_heads, capacity, head_dim], slot of every position: itself),
+        for code that reads and writes KV by slot (the native decode step)."""
+        if self._slots is None:
+            self._slots = torch.arange(self.capacity, device=self.device)
+        return self.data[:, :, 0], self._slots
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions 0..end: `[1, kv_heads, end, head_dim]` each, views."""

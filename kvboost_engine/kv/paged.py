@@ -100,6 +100,11 @@ class PagedSequence:
             self._slots = (table[:, None] * b + torch.arange(b, device=device)[None, :]).flatten()
         return self._slots
 
+    def slot_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the pool's RAM [2, layers, kv_heads, slots, head_dim], slot of every position) for code
+        that reads and writes KV by slot (the native decode step); None while blocks are spilled."""
+        return (self.pool.ram, self.slots()) if self._scatter_ok() else None
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         end = start + keys.shape[2]
         for tensor, slot, pos, n in self.runs(end):

@@ -33,16 +33,29 @@ def use_kvboost_attention(model: torch.nn.Module) -> None:
         model.config._attn_implementation = name
 
 
-class Forward:
-    """Runs new tokens over a sequence's KV and returns last-position logits."""
+class FastDecode(Protocol):
+    def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
+        """Compute one token at `position` over `kv` (its KV written in place) and return logits
+        [vocab] (fp32), or None when it cannot run on this KV (the layer loop runs instead)."""
 
-    def __init__(self, adapter: ModelAdapter):
+
+class Forward:
+    """Runs new tokens over a sequence's KV and returns last-position logits.
+
+    `fast_decode` (optional; native/decoder.py) takes single-token steps of one sequence."""
+
+    def __init__(self, adapter: ModelAdapter, fast_decode: FastDecode | None = None):
         self.adapter = adapter
+        self.fast_decode = fast_decode
         use_kvboost_attention(adapter.model)
 
     @torch.inference_mode()
     def __call__(self, kv, token_ids: list[int], start: int) -> torch.Tensor:
         """Compute KV for `token_ids` at positions start.. and return logits [vocab] (fp32)."""
+        if self.fast_decode is not None and len(token_ids) == 1:
+            logits = self.fast_decode(kv, token_ids[0], start)
+            if logits is not None:
+                return logits
         a = self.adapter
         end = start + len(token_ids)
         ids = torch.tensor([token_ids], dtype=torch.long, device=a.device)          # [1, N]

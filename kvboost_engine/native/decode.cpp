@@ -1,0 +1,422 @@
+// One decode step of a Llama-family model (RMSNorm, rotary, grouped-query attention, SiLU MLP)
+// for one sequence, on CPU with AVX512-VNNI: every matrix-vector product reads 4-bit (layers) or
+// 8-bit (head) weight codes and multiplies them with the activation quantized to int8 per block of
+// 32 (vpdpbusd), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
+// where a weight decodes to code * d + m. The rest of the layer (norms, rotary, attention over the
+// sequence's KV slots, residuals, SiLU) runs here too, so a step is one call from Python.
+//
+// Plain C ABI (loaded with ctypes; no PyTorch headers): the caller keeps every tensor alive and
+// passes raw pointers. Written for kvboost (kvboost_engine/native/decoder.py gives the layouts).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int TILE = 16;     // output rows per tile
+constexpr int BLOCK = 32;    // input columns per block (one activation scale, one weight scale per row)
+
+struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
+  const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512
+  const uint16_t* d;         // bf16 [tiles][blocks][16]: code scale
+  const float* m;            // fp32 [tiles][blocks][16]: value of code 0
+  const float* bias;         // [rows] or null
+  int rows, cols, bits;
+};
+
+struct Layer {
+  const float* in_norm;
+  const float* post_norm;
+  QMat qkv, o, gate_up, down;
+  int window;                // 0: full attention; else keys with pos - window < k <= pos
+};
+
+inline __m512 bf16_to_f32(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline float bf16_scalar(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
+void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
+  for (int b = 0; b < cols / BLOCK; ++b) {
+    __m512 a0 = _mm512_loadu_ps(x + b * BLOCK), a1 = _mm512_loadu_ps(x + b * BLOCK + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+    dx[b] = amax / 127.f;
+    sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+// y[t*16 .. t1*16) of W x, x given quantized.
+void gemv(const QMat& w, const int8_t* xq, const float* dx, const float* sx, float* y, int t0, int t1) {
+  const int blocks = w.cols / BLOCK;
+  const size_t block_bytes = w.bits == 4 ? 256 : 512;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int32_t* xw = reinterpret_cast<const int32_t*>(xq);
+  for (int t = t0; t < t1; ++t) {
+    const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
+    const uint16_t* dp = w.d + static_cast<size_t>(t) * blocks * TILE;
+    const float* mp = w.m + static_cast<size_t>(t) * blocks * TILE;
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; ++b, wp += block_bytes) {
+      const int32_t* xb = xw + b * (BLOCK / 4);
+      __m512i s = _mm512_setzero_si512();
+      if (w.bits == 4) {
+        for (int j = 0; j < 4; ++j) {           // 8 columns: low nibbles 8j..8j+3, high 8j+4..8j+7
+          __m512i v = _mm512_loadu_si512(wp + j * 64);
+          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(v, nibble), _mm512_set1_epi32(xb[2 * j]));
+          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), _mm512_set1_epi32(xb[2 * j + 1]));
+        }
+      } else {
+        for (int j = 0; j < 8; ++j)             // 4 columns 4j..4j+3 per load
+          s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512(wp + j * 64), _mm512_set1_epi32(xb[j]));
+      }
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(bf16_to_f32(dp + b * TILE), _mm512_set1_ps(dx[b])), acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * TILE), _mm512_set1_ps(sx[b]), acc);
+    }
+    if (w.bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(w.bias + t * TILE));
+    _mm512_storeu_ps(y + t * TILE, acc);
+  }
+}
+
+// Row n of W decoded to floats, dotted with float x (the exact recomputation of the best logits).
+float exact_row(const QMat& w, int n, const float* x) {
+  const int blocks = w.cols / BLOCK, t = n / TILE, r = n % TILE;
+  const size_t block_bytes = w.bits == 4 ? 256 : 512;
+  double total = 0.0;
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
+    float d = bf16_scalar(w.d[(static_cast<size_t>(t) * blocks + b) * TILE + r]);
+    float m = w.m[(static_cast<size_t>(t) * blocks + b) * TILE + r];
+    for (int c = 0; c < BLOCK; ++c) {
+      int code;
+      if (w.bits == 4) {
+        int j = c / 8, i = c % 8;
+        uint8_t byte = wp[j * 64 + r * 4 + (i % 4)];
+        code = i < 4 ? (byte & 15) : (byte >> 4);
+      } else {
+        code = wp[(c / 4) * 64 + r * 4 + c % 4];
+      }
+      total += static_cast<double>(static_cast<float>(code) * d + m) * x[b * BLOCK + c];
+    }
+  }
+  return static_cast<float>(total + (w.bias ? w.bias[n] : 0.f));
+}
+
+void rms_norm(const float* x, const float* weight, int n, float eps, float* out) {
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) sum += x[i] * x[i];
+  float r = 1.f / std::sqrt(sum / n + eps);
+  for (int i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
+}
+
+void rotate(float* v, const float* cos, const float* sin, int dim) {
+  const int half = dim / 2;
+  for (int i = 0; i < half; ++i) {
+    float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] - b * sin[i];
+    v[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  __m512 acc = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float s = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Threads. Built with OpenMP (linked to the libgomp PyTorch already loaded), a step is one parallel
+// region of the calling thread's own OpenMP team, the one its PyTorch ops use: no second set of
+// threads competing for the cores. Without OpenMP, the caller is thread 0 and workers of our own
+// sleep between steps and spin on a barrier inside one.
+class Team {
+ public:
+  explicit Team(int n) : n_(std::max(n, 1)) {
+#ifdef _OPENMP
+    return;
+#endif
+    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { loop(i); });
+  }
+  ~Team() {
+    { std::lock_guard<std::mutex> lock(mu_); stop_ = true; ++gen_; }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  int size() const { return n_; }
+  // job(thread id, threads) on every thread of the team
+  void run(const std::function<void(int, int)>& job) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n_)
+    job(omp_get_thread_num(), omp_get_num_threads());
+    return;
+#endif
+    if (n_ == 1) { job(0, 1); return; }
+    { std::lock_guard<std::mutex> lock(mu_); job_ = &job; done_.store(0); ++gen_; }
+    cv_.notify_all();
+    job(0, n_);
+    while (done_.load(std::memory_order_acquire) != n_ - 1) _mm_pause();
+  }
+  void barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+    return;
+#endif
+    if (n_ == 1) return;
+    int gen = bar_gen_.load(std::memory_order_acquire);
+    if (bar_count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      bar_count_.store(0, std::memory_order_relaxed);
+      bar_gen_.fetch_add(1, std::memory_order_acq_rel);
+    } else {
+      while (bar_gen_.load(std::memory_order_acquire) == gen) _mm_pause();
+    }
+  }
+
+ private:
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int, int)>* job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return gen_ != seen; });
+        seen = gen_;
+        if (stop_) return;
+        job = job_;
+      }
+      (*job)(id, n_);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+  int n_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void(int, int)>* job_ = nullptr;
+  uint64_t gen_ = 0;
+  bool stop_ = false;
+  std::atomic<int> done_{0};
+  std::atomic<int> bar_count_{0};
+  std::atomic<int> bar_gen_{0};
+};
+
+struct Decoder {
+  int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
+  float eps, scaling;
+  std::vector<Layer> stack;
+  const float* final_norm;
+  QMat head;
+  Team team;
+  std::mutex busy;
+  // scratch
+  std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
+  std::vector<int8_t> xq;
+  std::vector<std::vector<float>> scores;
+  std::vector<std::vector<std::pair<float, int>>> best;
+
+  Decoder(int threads) : team(threads) {}
+
+  static void split(int tiles, int id, int n, int* t0, int* t1) {
+    *t0 = tiles * id / n;
+    *t1 = tiles * (id + 1) / n;
+  }
+
+  void matvec(const QMat& w, float* y, int id, int n) {
+    int t0, t1;
+    split(w.rows / TILE, id, n, &t0, &t1);
+    gemv(w, xq.data(), dx.data(), sx.data(), y, t0, t1);
+  }
+
+  // keys and values of one layer: kv + kind * s0 + layer * s1 + head * s2 + slot * s3
+  void attention(const Layer& L, int layer, float* kv, const int64_t* st, const int64_t* slots, int64_t pos, int id, int n) {
+    const int group = heads / kv_heads;
+    const int64_t first = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
+    std::vector<float>& sc = scores[id];
+    if (static_cast<int64_t>(sc.size()) < pos + 1) sc.resize(pos + 1);
+    int h0, h1;
+    split(heads, id, n, &h0, &h1);
+    for (int hd = h0; hd < h1; ++hd) {
+      const float* q = qkv.data() + hd * head_dim;
+      const int g = hd / group;
+      const float* kbase = kv + layer * st[1] + g * st[2];
+      const float* vbase = kbase + st[0];
+      float top = -INFINITY;
+      for (int64_t p = first; p <= pos; ++p) {
+        float s = dot(q, kbase + slots[p] * st[3], head_dim) * scaling;
+        sc[p] = s;
+        top = std::max(top, s);
+      }
+      float total = 0.f;
+      for (int64_t p = first; p <= pos; ++p) { sc[p] = std::exp(sc[p] - top); total += sc[p]; }
+      float* out = attn.data() + hd * head_dim;
+      std::memset(out, 0, sizeof(float) * head_dim);
+      for (int64_t p = first; p <= pos; ++p) {
+        const float* v = vbase + slots[p] * st[3];
+        const float wgt = sc[p] / total;
+        for (int i = 0; i < head_dim; ++i) out[i] += wgt * v[i];
+      }
+    }
+  }
+
+  void step(const float* x_in, float* kv, const int64_t* st, const int64_t* slots, int64_t pos,
+            const float* cos, const float* sin, float* logits) {
+    std::lock_guard<std::mutex> lock(busy);
+    std::memcpy(x.data(), x_in, sizeof(float) * hidden);
+    const int q_rows = heads * head_dim, kv_rows = kv_heads * head_dim;
+    std::function<void(int, int)> job = [&](int id, int n) {
+      for (int l = 0; l < layers; ++l) {
+        const Layer& L = stack[l];
+        if (id == 0) {
+          rms_norm(x.data(), L.in_norm, hidden, eps, h.data());
+          quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+        }
+        team.barrier();
+        matvec(L.qkv, qkv.data(), id, n);
+        team.barrier();
+        if (id == 0) {
+          float* k = qkv.data() + q_rows;
+          float* v = k + kv_rows;
+          for (int hd = 0; hd < heads; ++hd) rotate(qkv.data() + hd * head_dim, cos, sin, head_dim);
+          for (int g = 0; g < kv_heads; ++g) {
+            rotate(k + g * head_dim, cos, sin, head_dim);
+            float* at = kv + l * st[1] + g * st[2] + slots[pos] * st[3];
+            std::memcpy(at, k + g * head_dim, sizeof(float) * head_dim);
+            std::memcpy(at + st[0], v + g * head_dim, sizeof(float) * head_dim);
+          }
+        }
+        team.barrier();
+        attention(L, l, kv, st, slots, pos, id, n);
+        team.barrier();
+        if (id == 0) quantize(attn.data(), q_rows, xq.data(), dx.data(), sx.data());
+        team.barrier();
+        matvec(L.o, h.data(), id, n);
+        team.barrier();
+        if (id == 0) {
+          for (int i = 0; i < hidden; ++i) x[i] += h[i];
+          rms_norm(x.data(), L.post_norm, hidden, eps, h.data());
+          quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+        }
+        team.barrier();
+        matvec(L.gate_up, mlp.data(), id, n);
+        team.barrier();
+        if (id == 0) {
+          for (int i = 0; i < inter; ++i) {
+            float g = mlp[i];
+            act[i] = g / (1.f + std::exp(-g)) * mlp[inter + i];
+          }
+          quantize(act.data(), inter, xq.data(), dx.data(), sx.data());
+        }
+        team.barrier();
+        matvec(L.down, h.data(), id, n);
+        team.barrier();
+        if (id == 0) for (int i = 0; i < hidden; ++i) x[i] += h[i];
+      }
+      if (id == 0) {
+        rms_norm(x.data(), final_norm, hidden, eps, h.data());
+        quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+      }
+      team.barrier();
+      matvec(head, logits, id, n);
+      if (exact_top > 0) {             // each thread's best rows of its own range
+        int t0, t1;
+        split(head.rows / TILE, id, n, &t0, &t1);
+        std::vector<std::pair<float, int>>& mine = best[id];
+        mine.clear();
+        for (int n = t0 * TILE; n < t1 * TILE; ++n) {
+          if (static_cast<int>(mine.size()) < exact_top) {
+            mine.emplace_back(logits[n], n);
+            std::push_heap(mine.begin(), mine.end(), std::greater<>());
+          } else if (logits[n] > mine.front().first) {
+            std::pop_heap(mine.begin(), mine.end(), std::greater<>());
+            mine.back() = {logits[n], n};
+            std::push_heap(mine.begin(), mine.end(), std::greater<>());
+          }
+        }
+      }
+    };
+    team.run(job);
+    if (exact_top > 0) {
+      std::vector<std::pair<float, int>> all;
+      for (auto& b : best) all.insert(all.end(), b.begin(), b.end());
+      std::sort(all.begin(), all.end(), std::greater<>());
+      all.resize(std::min<size_t>(all.size(), exact_top));
+      for (auto& [value, n] : all) logits[n] = exact_row(head, n, h.data());
+    }
+  }
+};
+
+QMat qmat(const void* const* p, const int* dims) {
+  return QMat{static_cast<const uint8_t*>(p[0]), static_cast<const uint16_t*>(p[1]), static_cast<const float*>(p[2]),
+              static_cast<const float*>(p[3]), dims[0], dims[1], dims[2]};
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvb_abi_version() { return 1; }
+
+// sizes: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, exact_top, threads
+// layer_ptrs: per layer 2 norms then 4 matrices (qkv, o, gate_up, down) x (codes, d, m, bias) = 18
+// layer_dims: per layer 4 matrices x (rows, cols, bits) = 12; windows: per layer (0 = full)
+// head_ptrs: final norm, then head (codes, d, m, bias); head_dims: rows, cols, bits
+void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* const* layer_ptrs,
+                      const int* layer_dims, const int* windows, const void* const* head_ptrs, const int* head_dims) {
+  auto* dec = new Decoder(sizes[8]);
+  dec->layers = sizes[0]; dec->hidden = sizes[1]; dec->heads = sizes[2]; dec->kv_heads = sizes[3];
+  dec->head_dim = sizes[4]; dec->inter = sizes[5]; dec->vocab = sizes[6]; dec->exact_top = sizes[7];
+  dec->eps = eps; dec->scaling = scaling;
+  for (int l = 0; l < dec->layers; ++l) {
+    const void* const* p = layer_ptrs + l * 18;
+    const int* d = layer_dims + l * 12;
+    Layer L{static_cast<const float*>(p[0]), static_cast<const float*>(p[1]), qmat(p + 2, d), qmat(p + 6, d + 3),
+            qmat(p + 10, d + 6), qmat(p + 14, d + 9), windows[l]};
+    dec->stack.push_back(L);
+  }
+  dec->final_norm = static_cast<const float*>(head_ptrs[0]);
+  dec->head = qmat(head_ptrs + 1, head_dims);
+  const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;
+  const int widest = std::max({dec->hidden, q_rows, dec->inter});
+  dec->x.resize(dec->hidden); dec->h.resize(std::max(dec->hidden, q_rows));
+  dec->qkv.resize(q_rows + 2 * kv_rows); dec->attn.resize(q_rows);
+  dec->mlp.resize(2 * dec->inter); dec->act.resize(dec->inter);
+  dec->xq.resize(widest + 64); dec->dx.resize(widest / BLOCK + 1); dec->sx.resize(widest / BLOCK + 1);
+  dec->scores.resize(std::max(dec->team.size(), 64));      // per thread (an OpenMP team may differ in size)
+  dec->best.resize(std::max(dec->team.size(), 64));
+  return dec;
+}
+
+// kv: [2, layers, kv_heads, slots, head_dim]-shaped with element strides kv_strides (4); slots[p]: slot of position p
+void kvb_decoder_step(void* handle, const float* x, float* kv, const int64_t* kv_strides, const int64_t* slots,
+                      int64_t pos, const float* cos, const float* sin, float* logits) {
+  static_cast<Decoder*>(handle)->step(x, kv, kv_strides, slots, pos, cos, sin, logits);
+}
+
+void kvb_decoder_free(void* handle) { delete static_cast<Decoder*>(handle); }
+
+}  // extern "C"

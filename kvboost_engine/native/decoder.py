@@ -1,0 +1,207 @@
+"""The native decode step (decode.cpp) for a model converted with weights="int4".
+
+A decode step of one sequence (one new token over its KV) is one call into native code, which
+runs every layer: no PyTorch op per norm, projection or attention. Weights are repacked at load
+from the converted modules (weights/formats.py) into tiles of 16 rows x 32 columns, the layout
+the kernel reads (`pack_codes`): the same codes and scales as the int4 layers and the int8 head,
+so the step computes with the same weights; the activations are quantized to int8 per block of
+32 for the integer dot products, and the 8 best logits are recomputed in float from the float
+activations (as the PyTorch path does). Prefill, batched steps and everything else stay on the
+PyTorch path; a step whose KV is not addressable by slot (blocks spilled to disk) too.
+
+Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
+types), float32, every decoder linear layer in int4 and the head in int8 (`weights="int4"`).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..model.arch import ModelAdapter
+from ..weights.formats import INT4_GROUP, Int4Linear, Int8Linear, unpack_int4
+from . import build
+
+TILE, BLOCK = 16, 32
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
+ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
+
+
+def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> dict:
+    """codes uint8 [N, K] (< 2**bits), scale [N, K/32] (bf16), offset [N, K/32] (fp32: what code 0
+    decodes to) -> the kernel's tiles: weight[n, k] = codes * scale + offset per block of 32."""
+    n, k = codes.shape
+    tiles, blocks = n // TILE, k // BLOCK
+    if bits == 4:
+        c = codes.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)    # [T, B, octet, half, row, col]
+        packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()
+    else:
+        packed = codes.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    d = scale.to(torch.bfloat16).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
+    m = offset.float().view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
+    return {"codes": packed.view(-1), "d": d.view(torch.int16).view(-1), "m": m.view(-1)}
+
+
+def _int4_parts(module: Int4Linear) -> tuple:
+    n, k = module.out_features, module.in_features
+    codes = unpack_int4(module.packed, n, k, module.block)
+    scale = module.scale_zeros[..., 0].T                                        # [N, K/g] bf16
+    offset = module.scale_zeros[..., 1].T.float() - 8 * scale.float()
+    return codes, scale, offset
+
+
+def _int8_parts(module: Int8Linear) -> tuple:
+    n, k = module.out_features, module.in_features
+    codes = (module.qweight.to(torch.int16) + 128).to(torch.uint8)
+    scale = module.scales[:, None].expand(n, k // BLOCK)
+    return codes, scale, -128 * scale.float()
+
+
+def _joined(modules: list, bits: int) -> dict:
+    """Several linear layers over the same input as one matrix (rows stacked), packed, with bias."""
+    parts = [_int4_parts(m) if bits == 4 else _int8_parts(m) for m in modules]
+    packed = pack_codes(*(torch.cat([p[i] for p in parts]) for i in range(3)), bits)
+    if any(m.bias is not None for m in modules):
+        packed["bias"] = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features)
+                                    for m in modules])
+    packed["dims"] = (sum(m.out_features for m in modules), modules[0].in_features, bits)
+    return packed
+
+
+def unsupported_reason(adapter: ModelAdapter) -> str | None:
+    """Why the native step cannot run this model (None: it can)."""
+    config = adapter.config
+    if config.model_type not in MODEL_TYPES:
+        return f"model type {config.model_type!r} (native decode runs {', '.join(MODEL_TYPES)})"
+    if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
+        return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "needs a SiLU MLP without bias"
+    if getattr(adapter.model, "kvboost_streamer", None) is not None:
+        return "layers are streamed"
+    for layer in adapter.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears):
+            return 'needs every decoder linear layer in int4 (weights="int4")'
+        if any(m.out_features % TILE or m.in_features % BLOCK for m in linears):
+            return "a layer's shape is not a multiple of 16 rows x 32 columns"
+        if getattr(attn, "head_dim", adapter.geometry.head_dim) != adapter.geometry.head_dim:
+            return "attention head size differs from the KV geometry"
+    head = adapter.lm_head
+    if type(head) is not Int8Linear or head.out_features % TILE or head.in_features % BLOCK:
+        return "needs the output head in int8"
+    if adapter.final_softcap is not None:
+        return "final logit soft-capping"
+    return None
+
+
+class NativeDecoder:
+    """`decoder(kv, token_id, position)` -> logits [vocab] (fp32) after computing the token's KV in
+    place, or None when this KV cannot be addressed by slot (then use the PyTorch path)."""
+
+    def __init__(self, adapter: ModelAdapter, lib, threads: int):
+        self.adapter = adapter
+        self._lib = lib
+        config, g = adapter.config, adapter.geometry
+        self._keep = []                                         # every tensor the native side points at
+        layer_ptrs, layer_dims = [], []
+        for layer in adapter.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [self._hold(layer.input_layernorm.weight.float()),
+                     self._hold(layer.post_attention_layernorm.weight.float())]
+            mats = [_joined([attn.q_proj, attn.k_proj, attn.v_proj], 4), _joined([attn.o_proj], 4),
+                    _joined([mlp.gate_proj, mlp.up_proj], 4), _joined([mlp.down_proj], 4)]
+            layer_ptrs += norms + [p for mat in mats for p in self._mat_ptrs(mat)]
+            layer_dims += [v for mat in mats for v in mat["dims"]]
+        head = _joined([adapter.lm_head], 8)
+        head_ptrs = [self._hold(adapter.norm.weight.float())] + self._mat_ptrs(head)
+        self.vocab = head["dims"][0]
+        self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
+        sizes = [len(adapter.layers), config.hidden_size, config.num_attention_heads, g.kv_heads, g.head_dim,
+                 config.intermediate_size, self.vocab, self.exact_top, threads]
+        windows = [w or 0 for w in adapter.layer_windows]
+        scaling = float(getattr(adapter.layers[0].self_attn, "scaling", g.head_dim ** -0.5))
+        self._handle = lib.kvb_decoder_new(
+            _ints(sizes), float(config.rms_norm_eps), scaling, _ptrs(layer_ptrs), _ints(layer_dims), _ints(windows),
+            _ptrs(head_ptrs), _ints(list(head["dims"])))
+        self.threads = threads
+        rope = str(adapter.rope_settings().get("rope_type", "default"))
+        self._static_rope = rope in STATIC_ROPE
+        self._cos = self._sin = None
+        self._strides = {}
+
+    def _hold(self, tensor: torch.Tensor) -> int:
+        tensor = tensor.detach().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _mat_ptrs(self, mat: dict) -> list[int]:
+        bias = self._hold(mat["bias"]) if "bias" in mat else 0
+        return [self._hold(mat["codes"]), self._hold(mat["d"]), self._hold(mat["m"]), bias]
+
+    def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [head_dim] at `position`, from the model's own rotary module."""
+        a = self.adapter
+        if not self._static_rope:
+            cos, sin = a.position_embeddings(torch.zeros(1, 1, 1), torch.tensor([[position]]))[None]
+            return cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+        if self._cos is None or position >= self._cos.shape[0]:
+            end = (position // ROPE_TABLE + 1) * ROPE_TABLE
+            cos, sin = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(end)[None])[None]
+            self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        return self._cos[position], self._sin[position]
+
+    @torch.inference_mode()
+    def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
+        view = kv.slot_view() if hasattr(kv, "slot_view") else None
+        if view is None:
+            return None
+        ram, slots = view
+        if ram.dtype != torch.float32 or ram.stride(-1) != 1 or slots.dtype != torch.int64 or position >= len(slots):
+            return None
+        x = self.adapter.embed(torch.tensor([[token_id]])).float().contiguous()
+        cos, sin = self._rotary(position)
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        strides = self._strides.get(ram.stride())
+        if strides is None:
+            strides = self._strides[ram.stride()] = _longs(ram.stride()[:4])
+        self._lib.kvb_decoder_step(self._handle, x.data_ptr(), ram.data_ptr(), strides, slots.data_ptr(),
+                                   position, cos.data_ptr(), sin.data_ptr(), logits.data_ptr())
+        return logits
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.kvb_decoder_free(self._handle)
+            self._handle = None
+            self._keep.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:           # interpreter shutdown
+            pass
+
+
+def native_decoder(adapter: ModelAdapter, threads: int | None = None) -> tuple[NativeDecoder | None, str | None]:
+    """(a decoder, None) for this model on this machine, or (None, why not)."""
+    reason = unsupported_reason(adapter)
+    if reason is not None:
+        return None, reason
+    lib, reason = build.load()
+    if lib is None:
+        return None, reason
+    return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
+
+
+def _ints(values) -> ctypes.Array:
+    return (ctypes.c_int * len(values))(*values)
+
+
+def _longs(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _ptrs(values) -> ctypes.Array:
+    return (ctypes.c_void_p * len(values))(*values)
