@@ -1,0 +1,177 @@
+"""The native decode step (kvboost_engine/native): the same step as the PyTorch int4 layer loop up
+to the int8 rounding of activations, on every layout it takes; the engine uses it by default for
+weights="int4" and falls back cleanly where it cannot run; the library is built once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_engine import Engine, InputError
+from kvboost_engine.kv.contiguous import SequenceKV
+from kvboost_engine.kv.paged import PagedSequence
+from kvboost_engine.kv.pool import BlockPool
+from kvboost_engine.model.arch import ModelAdapter
+from kvboost_engine.model.forward import Forward
+from kvboost_engine.native import build
+from kvboost_engine.native.decoder import native_decoder, pack_codes, unsupported_reason
+from kvboost_engine.weights.quantized import convert_model
+from tiny_models import tiny_model
+
+needs_cpu = pytest.mark.skipif(build.cpu_reason() is not None, reason=str(build.cpu_reason()))
+PROMPT = [5, 900, 17, 3000, 42, 7, 123, 4567, 89, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+
+
+# k/v projections of 64 rows: PyTorch's int4 pack of fewer rows uses a layout we do not unpack
+WIDE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4)
+
+
+def int4_model(model_type: str, tmp_path, **overrides):
+    model = tiny_model(model_type, seed=4, **{**WIDE, **overrides})
+    convert_model(model, "int4", cache_dir=tmp_path)
+    return model
+
+
+def test_pack_codes_layout():
+    """Tiles of 16 rows x 32 columns: 4-bit codes as 4 x 64 bytes per tile block (byte 4r + i of
+    group j: column 8j + i in the low nibble, 8j + 4 + i in the high one, row r), 8-bit as 8 x 64."""
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    scale, offset = torch.rand(32, 2).bfloat16(), torch.randn(32, 2)
+    packed = pack_codes(codes, scale, offset, 4)
+    tiles = packed["codes"].view(2, 2, 4, 64)                           # [tile, block, group, bytes]
+    t, b, r, c = 1, 1, 5, 13                                            # row 21, column 45
+    j, i = divmod(c, 8)
+    byte = int(tiles[t, b, j, r * 4 + i % 4])
+    assert (byte & 15 if i < 4 else byte >> 4) == codes[t * 16 + r, b * 32 + c]
+    assert packed["d"].view(torch.bfloat16).view(2, 2, 16)[t, b, r] == scale[t * 16 + r, b]
+    assert packed["m"].view(2, 2, 16)[t, b, r] == offset[t * 16 + r, b]
+    wide = pack_codes(codes, scale, offset, 8)["codes"].view(2, 2, 8, 64)
+    assert wide[t, b, c // 4, r * 4 + c % 4] == codes[t * 16 + r, b * 32 + c]
+
+
+def _decode_both(model, kv_factory, steps=12):
+    """Prefill PROMPT into two KVs, then decode the same tokens with PyTorch and native steps."""
+    adapter = ModelAdapter(model)
+    forward = Forward(adapter)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    kv_torch, kv_native = kv_factory(adapter), kv_factory(adapter)
+    with torch.inference_mode():
+        forward(kv_torch, PROMPT, 0)
+        forward(kv_native, PROMPT, 0)
+        pairs = []
+        for n, token in enumerate(PROMPT[:steps]):
+            position = len(PROMPT) + n
+            want, got = forward(kv_torch, [token], position), decoder(kv_native, token, position)
+            pairs.append((want, got))
+    return pairs, kv_torch, kv_native
+
+
+def _contiguous(adapter):
+    return SequenceKV(adapter.geometry, 64, adapter.device)
+
+
+def _paged(adapter):
+    pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
+    sequence = PagedSequence(pool, 64)
+    spare = pool.allocate(3)                        # so the sequence's blocks are not consecutive slots
+    sequence.reserve()
+    pool.release(spare)
+    return sequence
+
+
+@needs_cpu
+@pytest.mark.parametrize("model_type,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),                                           # q/k/v biases
+    ("mistral", {"sliding_window": 8}),                      # keys older than the window are not seen
+    ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    # heads x head_dim != hidden size
+])
+@pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
+def test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, overrides, kv_factory):
+    model = int4_model(model_type, tmp_path, **overrides)
+    pairs, kv_torch, kv_native = _decode_both(model, kv_factory)
+    for n, (want, got) in enumerate(pairs):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        error = ((got - want).norm() / want.norm()).item()
+        assert error < 0.05, (n, error)                     # int8 activations: ~1 % here
+    end = len(PROMPT) + len(pairs)
+    positions = torch.arange(end)
+    for layer in range(len(model.model.layers)):
+        (k1, v1), (k2, v2) = kv_torch.gather(layer, positions), kv_native.gather(layer, positions)
+        assert torch.equal(k1[..., :len(PROMPT), :], k2[..., :len(PROMPT), :])     # the prompt's KV untouched
+        assert ((k2 - k1).norm() / k1.norm()) < 0.05 and ((v2 - v1).norm() / v1.norm()) < 0.05
+
+
+@needs_cpu
+def test_engine_uses_it_for_int4_and_not_for_float(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    model = int4_model("llama", tmp_path)
+    from transformers import AutoTokenizer
+    from kvboost_engine.loading import default_model_dir
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    engine = Engine(model, tokenizer, cache_bytes=0)
+    assert engine.stats()["native_decode"] is True
+    reply = engine.generate("Hello there", max_new_tokens=6, min_new_tokens=6)
+    assert len(reply.token_ids) == 6
+    off = Engine(model, tokenizer, cache_bytes=0, native_decode=False)
+    assert off.stats()["native_decode"] is False and "native_decode=False" in off.stats()["native_decode_off"]
+    plain = tiny_model("llama")
+    assert "int4" in unsupported_reason(ModelAdapter(plain))
+    assert Engine(plain, tokenizer, cache_bytes=0).stats()["native_decode"] is False
+    with pytest.raises(InputError, match="int4"):
+        Engine(plain, tokenizer, cache_bytes=0, native_decode=True)
+    with pytest.raises(InputError, match="native_decode"):
+        Engine(plain, tokenizer, cache_bytes=0, native_decode="yes")
+
+
+def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    monkeypatch.setattr(build, "cpu_reason", lambda: None)
+    lib, reason = build.load()
+    assert lib is None and "compiler" in reason
+    model = int4_model("llama", tmp_path)
+    decoder, why = native_decoder(ModelAdapter(model))
+    assert decoder is None and "compiler" in why
+    from transformers import AutoTokenizer
+    from kvboost_engine.loading import default_model_dir
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    engine = Engine(model, tokenizer, cache_bytes=0)
+    assert engine.stats()["native_decode"] is False and "compiler" in engine.stats()["native_decode_off"]
+    assert len(engine.generate("Hello", max_new_tokens=3, min_new_tokens=3).token_ids) == 3
+    with pytest.raises(InputError, match="compiler"):
+        Engine(model, tokenizer, cache_bytes=0, native_decode=True)
+
+
+@needs_cpu
+def test_library_is_built_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    lib, reason = build.load()
+    assert lib is not None, reason
+    built = list((tmp_path / "native").glob("*.so"))
+    assert len(built) == 1
+
+    def no_build(*args):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_compile", no_build)
+    again, reason = build.load()
+    assert again is not None, reason
+    # the library's libgomp.so.1 is the one PyTorch loaded, not a second runtime (other wheels'
+    # renamed copies, such as sentencepiece's libgomp-<hash>.so, are theirs)
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if line.rstrip().split("/")[-1].startswith("libgomp.so")}
+    assert len(paths) <= 1, paths
+
+
+def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "cpu_reason", lambda: None)
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-fno-such-flag-kvboost",))
+    lib, reason = build.load()
+    assert lib is None and "failed" in reason
+    assert not list((tmp_path / "native").glob("*.so"))
