@@ -52,7 +52,7 @@ def _decode_both(model, kv_factory, steps=12):
     """Prefill PROMPT into two KVs, then decode the same tokens with PyTorch and native steps."""
     adapter = ModelAdapter(model)
     forward = Forward(adapter)
-    decoder, reason = native_decoder(adapter, threads=2)
+    decoder, reason = native_decoder(adapter, threads=2, allow_float=True)
     assert decoder is not None, reason
     kv_torch, kv_native = kv_factory(adapter), kv_factory(adapter)
     with torch.inference_mode():
@@ -104,6 +104,21 @@ def test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, override
 
 
 @needs_cpu
+@pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
+def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory):
+    """Float32 weights (native_decode=True): the same arithmetic in another order of additions."""
+    model = tiny_model("qwen2", seed=5, **WIDE)
+    pairs, kv_torch, kv_native = _decode_both(model, kv_factory)
+    for n, (want, got) in enumerate(pairs):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (n, (got - want).abs().max())
+        assert int(got.argmax()) == int(want.argmax())
+    positions = torch.arange(len(PROMPT) + len(pairs))
+    for layer in range(len(model.model.layers)):
+        for want, got in zip(kv_torch.gather(layer, positions), kv_native.gather(layer, positions)):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_cpu
 def test_engine_uses_it_for_int4_and_not_for_float(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
     model = int4_model("llama", tmp_path)
@@ -117,12 +132,14 @@ def test_engine_uses_it_for_int4_and_not_for_float(tmp_path, monkeypatch):
     off = Engine(model, tokenizer, cache_bytes=0, native_decode=False)
     assert off.stats()["native_decode"] is False and "native_decode=False" in off.stats()["native_decode_off"]
     plain = tiny_model("llama")
-    assert "int4" in unsupported_reason(ModelAdapter(plain))
+    assert "native_decode=True" in unsupported_reason(ModelAdapter(plain))
     assert Engine(plain, tokenizer, cache_bytes=0).stats()["native_decode"] is False
-    with pytest.raises(InputError, match="int4"):
-        Engine(plain, tokenizer, cache_bytes=0, native_decode=True)
+    assert Engine(plain, tokenizer, cache_bytes=0, native_decode=True).stats()["native_decode"] is True
     with pytest.raises(InputError, match="native_decode"):
         Engine(plain, tokenizer, cache_bytes=0, native_decode="yes")
+    gemma = tiny_model("gemma3_text")
+    with pytest.raises(InputError, match="gemma3_text"):
+        Engine(gemma, tokenizer, cache_bytes=0, native_decode=True)
 
 
 def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
@@ -143,6 +160,20 @@ def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
     assert len(engine.generate("Hello", max_new_tokens=3, min_new_tokens=3).token_ids) == 3
     with pytest.raises(InputError, match="compiler"):
         Engine(model, tokenizer, cache_bytes=0, native_decode=True)
+
+
+def test_float_default_reply_is_unchanged(smol):
+    """The default model in float32 keeps the PyTorch layer loop unless asked (native_decode=True),
+    and the native float step gives the same greedy reply on a short chat."""
+    model, tokenizer = smol
+    question = [{"role": "user", "content": "What color is the sky on a clear day?"}]
+    default = Engine(model, tokenizer, cache_bytes=0)
+    assert default.stats()["native_decode"] is False
+    want = default.chat(question, max_new_tokens=16).token_ids
+    if build.cpu_reason() is None:
+        native = Engine(model, tokenizer, cache_bytes=0, native_decode=True)
+        assert native.stats()["native_decode"] is True
+        assert native.chat(question, max_new_tokens=16).token_ids == want
 
 
 @needs_cpu

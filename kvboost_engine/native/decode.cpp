@@ -2,7 +2,8 @@
 // for one sequence, on CPU with AVX512-VNNI: every matrix-vector product reads 4-bit (layers) or
 // 8-bit (head) weight codes and multiplies them with the activation quantized to int8 per block of
 // 32 (vpdpbusd), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
-// where a weight decodes to code * d + m. The rest of the layer (norms, rotary, attention over the
+// where a weight decodes to code * d + m. Float32 weights (bits = 32, the model's own row-major
+// matrices) are read as they are, with the float activations. The rest of the layer (norms, rotary, attention over the
 // sequence's KV slots, residuals, SiLU) runs here too, so a step is one call from Python.
 //
 // Plain C ABI (loaded with ctypes; no PyTorch headers): the caller keeps every tensor alive and
@@ -29,7 +30,7 @@ constexpr int TILE = 16;     // output rows per tile
 constexpr int BLOCK = 32;    // input columns per block (one activation scale, one weight scale per row)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
-  const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512
+  const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
   const uint16_t* d;         // bf16 [tiles][blocks][16]: code scale
   const float* m;            // fp32 [tiles][blocks][16]: value of code 0
   const float* bias;         // [rows] or null
@@ -39,7 +40,8 @@ struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks
 struct Layer {
   const float* in_norm;
   const float* post_norm;
-  QMat qkv, o, gate_up, down;
+  std::vector<QMat> qkv, gate_up;   // q, k, v (or one matrix of them stacked); gate, up (or stacked)
+  QMat o, down;
   int window;                // 0: full attention; else keys with pos - window < k <= pos
 };
 
@@ -99,6 +101,34 @@ void gemv(const QMat& w, const int8_t* xq, const float* dx, const float* sx, flo
     }
     if (w.bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(w.bias + t * TILE));
     _mm512_storeu_ps(y + t * TILE, acc);
+  }
+}
+
+// y[r0 .. r1) of W x for float32 W [rows, cols] (row-major), eight rows at a time.
+void gemv_f32(const QMat& w, const float* x, float* y, int r0, int r1) {
+  const float* base = reinterpret_cast<const float*>(w.codes);
+  const int k = w.cols;
+  int r = r0;
+  for (; r + 8 <= r1; r += 8) {
+    const float* a = base + static_cast<size_t>(r) * k;
+    __m512 s[8];
+    for (int i = 0; i < 8; ++i) s[i] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 16 <= k; c += 16) {
+      __m512 xv = _mm512_loadu_ps(x + c);
+      for (int i = 0; i < 8; ++i) s[i] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i * k + c), xv, s[i]);
+    }
+    for (int i = 0; i < 8; ++i) {
+      float t = _mm512_reduce_add_ps(s[i]);
+      for (int cc = c; cc < k; ++cc) t += a[i * k + cc] * x[cc];
+      y[r + i] = t + (w.bias ? w.bias[r + i] : 0.f);
+    }
+  }
+  for (; r < r1; ++r) {
+    const float* a = base + static_cast<size_t>(r) * k;
+    float t = 0.f;
+    for (int c = 0; c < k; ++c) t += a[c] * x[c];
+    y[r] = t + (w.bias ? w.bias[r] : 0.f);
   }
 }
 
@@ -227,6 +257,7 @@ class Team {
 
 struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
+  bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
   std::vector<Layer> stack;
   const float* final_norm;
@@ -246,10 +277,23 @@ struct Decoder {
     *t1 = tiles * (id + 1) / n;
   }
 
-  void matvec(const QMat& w, float* y, int id, int n) {
+  // y = W x, this thread's share; x: the float activation (quantized in xq/dx/sx when W is not float)
+  void matvec(const QMat& w, const float* x, float* y, int id, int n) {
     int t0, t1;
+    if (w.bits == 32) {
+      split(w.rows / 8, id, n, &t0, &t1);
+      gemv_f32(w, x, y, t0 * 8, id == n - 1 ? w.rows : t1 * 8);
+      return;
+    }
     split(w.rows / TILE, id, n, &t0, &t1);
     gemv(w, xq.data(), dx.data(), sx.data(), y, t0, t1);
+  }
+
+  void matvecs(const std::vector<QMat>& parts, const float* x, float* y, int id, int n) {
+    for (const QMat& w : parts) {
+      matvec(w, x, y, id, n);
+      y += w.rows;
+    }
   }
 
   // keys and values of one layer: kv + kind * s0 + layer * s1 + head * s2 + slot * s3
@@ -293,10 +337,10 @@ struct Decoder {
         const Layer& L = stack[l];
         if (id == 0) {
           rms_norm(x.data(), L.in_norm, hidden, eps, h.data());
-          quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+          if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
         }
         team.barrier();
-        matvec(L.qkv, qkv.data(), id, n);
+        matvecs(L.qkv, h.data(), qkv.data(), id, n);
         team.barrier();
         if (id == 0) {
           float* k = qkv.data() + q_rows;
@@ -312,36 +356,36 @@ struct Decoder {
         team.barrier();
         attention(L, l, kv, st, slots, pos, id, n);
         team.barrier();
-        if (id == 0) quantize(attn.data(), q_rows, xq.data(), dx.data(), sx.data());
+        if (id == 0 && quantized) quantize(attn.data(), q_rows, xq.data(), dx.data(), sx.data());
         team.barrier();
-        matvec(L.o, h.data(), id, n);
+        matvec(L.o, attn.data(), h.data(), id, n);
         team.barrier();
         if (id == 0) {
           for (int i = 0; i < hidden; ++i) x[i] += h[i];
           rms_norm(x.data(), L.post_norm, hidden, eps, h.data());
-          quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+          if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
         }
         team.barrier();
-        matvec(L.gate_up, mlp.data(), id, n);
+        matvecs(L.gate_up, h.data(), mlp.data(), id, n);
         team.barrier();
         if (id == 0) {
           for (int i = 0; i < inter; ++i) {
             float g = mlp[i];
             act[i] = g / (1.f + std::exp(-g)) * mlp[inter + i];
           }
-          quantize(act.data(), inter, xq.data(), dx.data(), sx.data());
+          if (quantized) quantize(act.data(), inter, xq.data(), dx.data(), sx.data());
         }
         team.barrier();
-        matvec(L.down, h.data(), id, n);
+        matvec(L.down, act.data(), h.data(), id, n);
         team.barrier();
         if (id == 0) for (int i = 0; i < hidden; ++i) x[i] += h[i];
       }
       if (id == 0) {
         rms_norm(x.data(), final_norm, hidden, eps, h.data());
-        quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+        if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
       }
       team.barrier();
-      matvec(head, logits, id, n);
+      matvec(head, h.data(), logits, id, n);
       if (exact_top > 0) {             // each thread's best rows of its own range
         int t0, t1;
         split(head.rows / TILE, id, n, &t0, &t1);
@@ -379,11 +423,12 @@ QMat qmat(const void* const* p, const int* dims) {
 
 extern "C" {
 
-int kvb_abi_version() { return 1; }
+int kvb_abi_version() { return 2; }
 
 // sizes: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, exact_top, threads
-// layer_ptrs: per layer 2 norms then 4 matrices (qkv, o, gate_up, down) x (codes, d, m, bias) = 18
-// layer_dims: per layer 4 matrices x (rows, cols, bits) = 12; windows: per layer (0 = full)
+// layer_ptrs: per layer 2 norms then 7 matrices (q, k, v, o, gate, up, down) x (codes, d, m, bias) = 30;
+// a matrix of 0 rows is absent (stacked into the one before it: q holds q, k, v; gate holds gate, up)
+// layer_dims: per layer 7 matrices x (rows, cols, bits) = 21; windows: per layer (0 = full)
 // head_ptrs: final norm, then head (codes, d, m, bias); head_dims: rows, cols, bits
 void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* const* layer_ptrs,
                       const int* layer_dims, const int* windows, const void* const* head_ptrs, const int* head_dims) {
@@ -392,14 +437,27 @@ void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* co
   dec->head_dim = sizes[4]; dec->inter = sizes[5]; dec->vocab = sizes[6]; dec->exact_top = sizes[7];
   dec->eps = eps; dec->scaling = scaling;
   for (int l = 0; l < dec->layers; ++l) {
-    const void* const* p = layer_ptrs + l * 18;
-    const int* d = layer_dims + l * 12;
-    Layer L{static_cast<const float*>(p[0]), static_cast<const float*>(p[1]), qmat(p + 2, d), qmat(p + 6, d + 3),
-            qmat(p + 10, d + 6), qmat(p + 14, d + 9), windows[l]};
+    const void* const* p = layer_ptrs + l * 30;
+    const int* d = layer_dims + l * 21;
+    Layer L;
+    L.in_norm = static_cast<const float*>(p[0]);
+    L.post_norm = static_cast<const float*>(p[1]);
+    for (int i = 0; i < 7; ++i) {
+      QMat m = qmat(p + 2 + 4 * i, d + 3 * i);
+      if (m.rows == 0) continue;
+      if (m.bits != 32) dec->quantized = true;
+      if (i < 3) L.qkv.push_back(m);
+      else if (i == 3) L.o = m;
+      else if (i < 6) L.gate_up.push_back(m);
+      else L.down = m;
+    }
+    L.window = windows[l];
     dec->stack.push_back(L);
   }
   dec->final_norm = static_cast<const float*>(head_ptrs[0]);
   dec->head = qmat(head_ptrs + 1, head_dims);
+  if (dec->head.bits != 32) dec->quantized = true;
+  if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;
   const int widest = std::max({dec->hidden, q_rows, dec->inter});
   dec->x.resize(dec->hidden); dec->h.resize(std::max(dec->hidden, q_rows));

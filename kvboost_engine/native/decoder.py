@@ -1,4 +1,5 @@
-"""The native decode step (decode.cpp) for a model converted with weights="int4".
+"""The native decode step (decode.cpp): for a model converted with weights="int4", and on request
+for a float32 model.
 
 A decode step of one sequence (one new token over its KV) is one call into native code, which
 runs every layer: no PyTorch op per norm, projection or attention. Weights are repacked at load
@@ -9,8 +10,13 @@ so the step computes with the same weights; the activations are quantized to int
 activations (as the PyTorch path does). Prefill, batched steps and everything else stay on the
 PyTorch path; a step whose KV is not addressable by slot (blocks spilled to disk) too.
 
+A float32 model (native_decode=True) keeps its own weights: the step reads the model's float
+matrices in place (no copy) with float activations, the same arithmetic as the PyTorch step up to
+the order of additions.
+
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
-types), float32, every decoder linear layer in int4 and the head in int8 (`weights="int4"`).
+types), float32, and either every decoder linear layer in int4 with the head in int8
+(`weights="int4"`) or every one of them in float32.
 """
 from __future__ import annotations
 
@@ -69,8 +75,34 @@ def _joined(modules: list, bits: int) -> dict:
     return packed
 
 
-def unsupported_reason(adapter: ModelAdapter) -> str | None:
-    """Why the native step cannot run this model (None: it can)."""
+def weights_kind(adapter: ModelAdapter) -> str | None:
+    """"int4" (decoder layers int4, head int8), "float" (all plain float32 linears), or None."""
+    linears = [m for layer in adapter.layers for m in _linears(layer)]
+    if all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears) \
+            and type(adapter.lm_head) is Int8Linear:
+        return "int4"
+    if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in [*linears, adapter.lm_head]):
+        return "float"
+    return None
+
+
+def _linears(layer) -> list:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
+
+
+def _float(module: torch.nn.Linear) -> dict:
+    """A float32 linear layer as it is: its own weight [N, K] (no copy), and bias."""
+    return {"codes": module.weight, "bias": None if module.bias is None else module.bias.float(),
+            "dims": (module.out_features, module.in_features, 32)}
+
+
+def unsupported_reason(adapter: ModelAdapter, allow_float: bool = False) -> str | None:
+    """Why the native step cannot run this model (None: it can); float32 weights only with
+    `allow_float`."""
     config = adapter.config
     if config.model_type not in MODEL_TYPES:
         return f"model type {config.model_type!r} (native decode runs {', '.join(MODEL_TYPES)})"
@@ -80,18 +112,19 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
         return "needs a SiLU MLP without bias"
     if getattr(adapter.model, "kvboost_streamer", None) is not None:
         return "layers are streamed"
+    kind = weights_kind(adapter)
+    if kind is None or (kind == "float" and not allow_float):
+        return ('needs every decoder linear layer in int4 and the head in int8 (weights="int4")' +
+                (", or all of them in float32" if allow_float else
+                 "; float32 models take it only with native_decode=True"))
     for layer in adapter.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears):
-            return 'needs every decoder linear layer in int4 (weights="int4")'
-        if any(m.out_features % TILE or m.in_features % BLOCK for m in linears):
+        if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in _linears(layer)):
             return "a layer's shape is not a multiple of 16 rows x 32 columns"
-        if getattr(attn, "head_dim", adapter.geometry.head_dim) != adapter.geometry.head_dim:
+        if getattr(layer.self_attn, "head_dim", adapter.geometry.head_dim) != adapter.geometry.head_dim:
             return "attention head size differs from the KV geometry"
     head = adapter.lm_head
-    if type(head) is not Int8Linear or head.out_features % TILE or head.in_features % BLOCK:
-        return "needs the output head in int8"
+    if kind == "int4" and (head.out_features % TILE or head.in_features % BLOCK):
+        return "the output head's shape is not a multiple of 16 rows x 32 columns"
     if adapter.final_softcap is not None:
         return "final logit soft-capping"
     return None
@@ -106,16 +139,20 @@ class NativeDecoder:
         self._lib = lib
         config, g = adapter.config, adapter.geometry
         self._keep = []                                         # every tensor the native side points at
+        self.kind = weights_kind(adapter)
         layer_ptrs, layer_dims = [], []
         for layer in adapter.layers:
-            attn, mlp = layer.self_attn, layer.mlp
             norms = [self._hold(layer.input_layernorm.weight.float()),
                      self._hold(layer.post_attention_layernorm.weight.float())]
-            mats = [_joined([attn.q_proj, attn.k_proj, attn.v_proj], 4), _joined([attn.o_proj], 4),
-                    _joined([mlp.gate_proj, mlp.up_proj], 4), _joined([mlp.down_proj], 4)]
+            if self.kind == "int4":
+                q, k, v, o, gate, up, down = _linears(layer)
+                mats = [_joined([q, k, v], 4), ABSENT, ABSENT, _joined([o], 4), _joined([gate, up], 4), ABSENT,
+                        _joined([down], 4)]
+            else:
+                mats = [_float(m) for m in _linears(layer)]
             layer_ptrs += norms + [p for mat in mats for p in self._mat_ptrs(mat)]
             layer_dims += [v for mat in mats for v in mat["dims"]]
-        head = _joined([adapter.lm_head], 8)
+        head = _joined([adapter.lm_head], 8) if self.kind == "int4" else _float(adapter.lm_head)
         head_ptrs = [self._hold(adapter.norm.weight.float())] + self._mat_ptrs(head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
@@ -138,8 +175,7 @@ class NativeDecoder:
         return tensor.data_ptr()
 
     def _mat_ptrs(self, mat: dict) -> list[int]:
-        bias = self._hold(mat["bias"]) if "bias" in mat else 0
-        return [self._hold(mat["codes"]), self._hold(mat["d"]), self._hold(mat["m"]), bias]
+        return [self._hold(mat[key]) if mat.get(key) is not None else 0 for key in ("codes", "d", "m", "bias")]
 
     def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [head_dim] at `position`, from the model's own rotary module."""
@@ -184,9 +220,11 @@ class NativeDecoder:
             pass
 
 
-def native_decoder(adapter: ModelAdapter, threads: int | None = None) -> tuple[NativeDecoder | None, str | None]:
-    """(a decoder, None) for this model on this machine, or (None, why not)."""
-    reason = unsupported_reason(adapter)
+def native_decoder(adapter: ModelAdapter, threads: int | None = None,
+                   allow_float: bool = False) -> tuple[NativeDecoder | None, str | None]:
+    """(a decoder, None) for this model on this machine, or (None, why not); float32 models only
+    with `allow_float`."""
+    reason = unsupported_reason(adapter, allow_float)
     if reason is not None:
         return None, reason
     lib, reason = build.load()
