@@ -9,6 +9,11 @@ converted and cached its weights (the conversion is not timed; its time is repor
   ttft_s         a short chat turn, cold
   ppl_1k/ppl_2k  perplexity of the evaluation text (kvboost_tools.awq.quality) in windows of 1024
                  and 2048 tokens over the first `--ppl-tokens` tokens; delta vs fp32 in the table
+                 (these forwards run many tokens at once: the prefill path, never the decode step)
+  ppl_decode     perplexity of the first `--decode-ppl-tokens` tokens of the evaluation text
+                 computed one token at a time through the decode step the engine uses (native
+                 or PyTorch), so the decode step's own arithmetic is measured too
+  native_decode  whether the engine took the native decode step (kvboost_engine/native)
   peak_rss       VmHWM after the runs; rss_after_load
 
 llama.cpp (llama-cpp-python, the Q4_1 GGUF the default model comes from, same threads) decodes the
@@ -22,8 +27,8 @@ Set OMP_WAIT_POLICY=PASSIVE on a busy machine (recorded in the environment).
 
 Run: OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.weights [--threads 2 --repeats 3 \
        --decode-tokens 64 --prefill-tokens 1024 --ppl-tokens 2048 --out benchmarks/results/weights.json]
-Smoke: python -m benchmarks.micro.weights --formats fp32,int8 --decode-tokens 4 --prefill-tokens 64 \
-       --ppl-tokens 128 --repeats 1 --no-llama --out /tmp/weights-smoke.json
+Smoke: python -m benchmarks.micro.weights --formats fp32,int4 --decode-tokens 4 --prefill-tokens 64 \
+       --ppl-tokens 128 --decode-ppl-tokens 16 --repeats 1 --no-llama --out /tmp/weights-smoke.json
 """
 from __future__ import annotations
 
@@ -39,7 +44,9 @@ import torch
 
 from .._common import median_time
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+# "-native": native_decode=True (the float32 native step); "-torch": native_decode=False (the
+# PyTorch layer loop where the default would take the native step)
+FORMATS = ("fp32", "fp32-native", "bf16", "int8", "int4", "int4-torch")
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -62,8 +69,10 @@ def measure_format(fmt: str, args) -> dict:
     from kvboost_engine import Engine
     from kvboost_tools.awq.quality import perplexity
     from kvboost_tools.awq.texts import evaluation_text
+    base, _, variant = fmt.partition("-")
+    native = {"native": True, "torch": False}.get(variant)
     started = time.perf_counter()
-    engine = Engine.from_pretrained(weights=None if fmt == "fp32" else fmt, cache_bytes=0)
+    engine = Engine.from_pretrained(weights=None if base == "fp32" else base, cache_bytes=0, native_decode=native)
     load_s, rss_load = time.perf_counter() - started, _vm_kib("VmRSS") * 1024
     model, tokenizer = engine.model, engine.tokenizer
     prompt = tokenizer(evaluation_text())["input_ids"][:args.prefill_tokens]
@@ -81,12 +90,31 @@ def measure_format(fmt: str, args) -> dict:
            "ttft_s": _median(lambda: engine.chat(SHORT, max_new_tokens=1).ttft_s, args.repeats),
            "ppl_1k": perplexity(model, tokenizer, window=1024, max_tokens=args.ppl_tokens),
            "ppl_2k": perplexity(model, tokenizer, window=2048, max_tokens=args.ppl_tokens),
+           "ppl_decode": decode_perplexity(engine, tokenizer(evaluation_text())["input_ids"][:args.decode_ppl_tokens]),
+           "native_decode": engine.stats()["native_decode"],
            "weights_bytes": engine.stats().get("weights_bytes", _param_bytes(model)),
            "decode_bytes": _decode_bytes(model), "rss_after_load_bytes": rss_load,
            "peak_rss_bytes": _vm_kib("VmHWM") * 1024}
     out.update({k: v for k, v in engine.stats().items() if k in ("weights_from_cache", "weights_convert_s")})
     engine.close()
     return out
+
+
+def decode_perplexity(engine, tokens: list[int]) -> float:
+    """Perplexity of `tokens` fed one at a time through the engine's decode step (the native step
+    when the engine takes it), each predicting the next."""
+    from kvboost_engine.kv.contiguous import SequenceKV
+    from kvboost_engine.model.forward import Forward
+    from kvboost_engine.native.decoder import native_decoder
+    adapter = engine.adapter
+    fast = native_decoder(adapter, allow_float=True)[0] if engine.stats()["native_decode"] else None
+    forward, kv = Forward(adapter, fast), SequenceKV(adapter.geometry, len(tokens), adapter.device)
+    total = 0.0
+    with torch.inference_mode():
+        for position, (token, following) in enumerate(zip(tokens, tokens[1:])):
+            logits = forward(kv, [token], position)
+            total -= float(torch.log_softmax(logits.float(), dim=-1)[following])
+    return float(torch.exp(torch.tensor(total / (len(tokens) - 1))))
 
 
 def _param_bytes(model) -> int:
@@ -150,7 +178,8 @@ def run_child(name: str, args) -> dict:
     """`name` measured in a fresh process; a failure becomes a row with its reason."""
     cmd = [sys.executable, "-m", "benchmarks.micro.weights", "--child", name, "--threads", str(args.threads),
            "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens),
-           "--prefill-tokens", str(args.prefill_tokens), "--ppl-tokens", str(args.ppl_tokens)]
+           "--prefill-tokens", str(args.prefill_tokens), "--ppl-tokens", str(args.ppl_tokens),
+           "--decode-ppl-tokens", str(args.decode_ppl_tokens)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         return {"format": name, "status": "failed: " + " | ".join(done.stderr.strip().splitlines()[-2:])[-300:]}
@@ -161,9 +190,9 @@ def convert_all(formats) -> dict:
     """Convert (and cache) each format once, untimed by the measuring processes; seconds each."""
     from kvboost_engine import Engine
     spent = {}
-    for fmt in formats:
+    for fmt in sorted({f.partition("-")[0] for f in formats}):
         if fmt != "fp32":
-            engine = Engine.from_pretrained(weights=fmt, cache_bytes=0)
+            engine = Engine.from_pretrained(weights=fmt, cache_bytes=0, native_decode=False)
             spent[fmt] = engine.stats()["weights_convert_s"]
             engine.close()
     return spent
@@ -172,8 +201,8 @@ def convert_all(formats) -> dict:
 def table(result: dict) -> str:
     rows = {r["format"]: r for r in result["rows"]}
     base = rows.get("fp32", {})
-    lines = ["| format | decode tok/s | prefill tok/s | TTFT ms | ppl 1k (vs fp32) | ppl 2k (vs fp32) | weights MB | "
-             "peak RSS MB |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| format | decode step | decode tok/s | prefill tok/s | TTFT ms | ppl 1k (vs fp32) | ppl 2k (vs fp32) | "
+             "ppl decode path (vs fp32) | weights MB | peak RSS MB |", "|---|---|---|---|---|---|---|---|---|---|"]
 
     def delta(r, key):
         if key not in r:
@@ -182,17 +211,17 @@ def table(result: dict) -> str:
         return f"{r[key]:.3f}{rel}"
     for r in result["rows"]:
         if "status" in r:
-            lines.append(f"| {r['format']} | {r['status']} |||||||")
+            lines.append(f"| {r['format']} | {r['status']} |||||||||")
             continue
         fmt = lambda key, scale=1.0, spec=".1f": f"{r[key] * scale:{spec}}" if key in r else "-"  # noqa: E731
-        lines.append(f"| {r['format']} | {fmt('decode_tok_s')} | {fmt('prefill_tok_s')} | {fmt('ttft_s', 1e3, '.0f')} | "
-                     f"{delta(r, 'ppl_1k')} | {delta(r, 'ppl_2k')} | {fmt('weights_bytes', 1e-6, '.0f')} | "
-                     f"{fmt('peak_rss_bytes', 1e-6, '.0f')} |")
-    bound = result.get("fp32_bound")
-    if bound:
-        lines.append(f"\nfp32 decode bound: {bound['decode_bytes'] / 1e6:.0f} MB read per step / "
-                     f"{bound['bytes_per_s'] / 1e9:.2f} GB/s (matrix-vector read bandwidth) = {bound['bound_s'] * 1e3:.0f} ms;"
-                     f" measured step {bound['step_s'] * 1e3:.0f} ms: {100 * bound['ratio']:.0f}% of the bound")
+        step = "-" if "native_decode" not in r else ("native" if r["native_decode"] else "PyTorch")
+        lines.append(f"| {r['format']} | {step} | {fmt('decode_tok_s')} | {fmt('prefill_tok_s')} | "
+                     f"{fmt('ttft_s', 1e3, '.0f')} | {delta(r, 'ppl_1k')} | {delta(r, 'ppl_2k')} | {delta(r, 'ppl_decode')} | "
+                     f"{fmt('weights_bytes', 1e-6, '.0f')} | {fmt('peak_rss_bytes', 1e-6, '.0f')} |")
+    for name, bound in result.get("bounds", {}).items():
+        lines.append(f"\n{name} decode bound: {bound['decode_bytes'] / 1e6:.0f} MB read per step / "
+                     f"{bound['bytes_per_s'] / 1e9:.2f} GB/s (matrix-vector read bandwidth) = {bound['bound_s'] * 1e3:.1f} ms;"
+                     f" measured step {bound['step_s'] * 1e3:.1f} ms: {100 * bound['ratio']:.0f}% of the bound")
     return "\n".join(lines)
 
 
@@ -204,6 +233,7 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--ppl-tokens", type=int, default=2048)
+    parser.add_argument("--decode-ppl-tokens", type=int, default=512)
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weights.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -220,12 +250,13 @@ def main(argv=None) -> None:
     model, _ = load_default()
     result = {"benchmark": "weights", "settings": {k: v for k, v in vars(args).items() if k not in ("out", "child")},
               "environment": environment(model), "convert_s": converted, "bandwidth": bandwidth, "rows": rows}
-    fp32 = next((r for r in rows if r.get("format") == "fp32" and "decode_tok_s" in r), None)
-    if fp32:
-        bound_s = fp32["decode_bytes"] / bandwidth["mv_bytes_per_s"]
-        step_s = 1 / fp32["decode_tok_s"]
-        result["fp32_bound"] = {"decode_bytes": fp32["decode_bytes"], "bytes_per_s": bandwidth["mv_bytes_per_s"],
-                                "bound_s": bound_s, "step_s": step_s, "ratio": bound_s / step_s}
+    result["bounds"] = {}
+    for r in rows:
+        if r.get("format", "").startswith("fp32") and "decode_tok_s" in r:
+            bound_s = r["decode_bytes"] / bandwidth["mv_bytes_per_s"]
+            step_s = 1 / r["decode_tok_s"]
+            result["bounds"][r["format"]] = {"decode_bytes": r["decode_bytes"], "bytes_per_s": bandwidth["mv_bytes_per_s"],
+                                             "bound_s": bound_s, "step_s": step_s, "ratio": bound_s / step_s}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))

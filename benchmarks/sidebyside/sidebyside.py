@@ -40,7 +40,7 @@ from .workloads import Workload, chat_workload, coding_workload, rag_workload
 ROOT = Path(__file__).resolve().parents[2]      # the repository (this file: benchmarks/sidebyside/)
 MAIN_SYSTEMS = ("transformers", "langchain-huggingface", "llama-index-llms-huggingface", "kvboost-pypi",
                 "llamacpp-langchain", "llamacpp-llama-index", "ours-engine", "ours-engine-flat",
-                "ours-engine-cache-order", "ours-engine-blend", "ours-langchain", "ours-llama-index")
+                "ours-engine-cache-order", "ours-engine-blend", "ours-engine-int4", "ours-langchain", "ours-llama-index")
 MODES = {
     "quick": dict(turns=3, chat_tokens=8, doc_counts=(1, 3), rag_questions=3, rag_tokens=8, coding_steps=6,
                   coding_tokens=8, repeats=1, memory_workloads=("chat",)),

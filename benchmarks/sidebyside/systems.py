@@ -280,6 +280,37 @@ class OursEngineCacheOrder(OursEngine):
         return super()._reply(self._prompt(ordered), max_new_tokens, clock)
 
 
+class OursEngineInt4(OursEngine):
+    """Our engine on the same model converted with weights="int4" (its own copy of the weights,
+    converted once and cached), which decodes through the native step where it can run. Tokens are
+    timed from the engine's instruments (the native step does not call the lm_head module)."""
+
+    id, label = "ours-engine-int4", 'ours: Engine, weights="int4"'
+    clock_on_lm_head = False
+
+    def __init__(self, model, tokenizer):
+        from kvboost_engine.loading import load_model_and_tokenizer
+        source = getattr(model.config, "_name_or_path", "")
+        if not source:
+            raise RuntimeError("the model has no directory to load its int4 copy from")
+        self.int4_model, _ = load_model_and_tokenizer(source, device=torch.device("cpu"), dtype=torch.float32,
+                                                      weights="int4")
+        super().__init__(model, tokenizer)
+
+    def reset(self):
+        from kvboost_engine import Engine
+        self.engine = Engine(self.int4_model, self.tokenizer, **self.options)
+
+    def _reply(self, prompt, max_new_tokens, clock):
+        from kvboost_engine import FirstTokenEvent, ForwardEvent
+
+        def tick(event):
+            if isinstance(event, FirstTokenEvent) or (isinstance(event, ForwardEvent) and event.kind == "decode"):
+                clock.tick()
+        with self.engine.instruments.subscribe(tick):
+            return super()._reply(prompt, max_new_tokens, clock)
+
+
 class OursLangChain(OursEngine):
     id, label = "ours-langchain", "ours: LangChain ChatKVBoost"
 
@@ -344,7 +375,7 @@ from .llamacpp import LlamaCppLangChain, LlamaCppLlamaIndex  # noqa: E402 - its 
 
 SYSTEMS = {cls.id: cls for cls in (Transformers, LangChainHuggingFace, LlamaIndexHuggingFace, KVBoostPyPI,
                                    LlamaCppLangChain, LlamaCppLlamaIndex, OursEngine, OursEngineFlat, OursEngineBlend,
-                                   OursEngineCacheOrder, OursLangChain, OursLlamaIndex)}
+                                   OursEngineCacheOrder, OursEngineInt4, OursLangChain, OursLlamaIndex)}
 
 
 def build(system_id: str, model, tokenizer, baseline_attention: str) -> System:

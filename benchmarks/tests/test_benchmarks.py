@@ -144,14 +144,14 @@ def test_weights_table_states_deltas_failures_and_the_bound():
     rows = [{"format": "fp32", "decode_tok_s": 20.0, "prefill_tok_s": 300.0, "ttft_s": 0.2, "ppl_1k": 10.0,
              "ppl_2k": 9.0, "weights_bytes": 538e6, "peak_rss_bytes": 1e9},
             {"format": "int4", "decode_tok_s": 50.0, "prefill_tok_s": 250.0, "ttft_s": 0.1, "ppl_1k": 10.1,
-             "ppl_2k": 9.0, "weights_bytes": 95e6, "peak_rss_bytes": 6e8},
+             "ppl_2k": 9.0, "weights_bytes": 95e6, "peak_rss_bytes": 6e8, "native_decode": True},
             {"format": "llama.cpp Q4_1", "decode_tok_s": 60.0, "peak_rss_bytes": 5e8},
             {"format": "bf16", "status": "failed: boom"}]
     bound = {"decode_bytes": 538e6, "bytes_per_s": 5e9, "bound_s": 0.1076, "step_s": 0.05, "ratio": 2.152}
-    text = table({"rows": rows, "fp32_bound": bound})
-    assert "| int4 | 50.0 | 250.0 | 100 | 10.100 (+1.00%) | 9.000 (+0.00%) | 95 | 600 |" in text
-    assert "| llama.cpp Q4_1 | 60.0 | - | - | - | - | - | 500 |" in text
-    assert "failed: boom" in text and "215% of the bound" in text
+    text = table({"rows": rows, "bounds": {"fp32": bound}})
+    assert "| int4 | native | 50.0 | 250.0 | 100 | 10.100 (+1.00%) | 9.000 (+0.00%) | - | 95 | 600 |" in text
+    assert "| llama.cpp Q4_1 | - | 60.0 | - | - | - | - | - | - | 500 |" in text
+    assert "failed: boom" in text and "fp32 decode bound" in text and "215% of the bound" in text
 
 
 def test_generated_schemas_are_valid_deterministic_and_cover_the_asked_features():
