@@ -26,7 +26,9 @@ def bench_device() -> torch.device:
 
 
 def load_default(dtype=torch.float32):
-    model, tokenizer = load_model_and_tokenizer(default_model_dir(), device=bench_device(), dtype=dtype)
+    source = default_model_dir()
+    model, tokenizer = load_model_and_tokenizer(source, device=bench_device(), dtype=dtype)
+    model.bench_source = source             # where a second copy (another weights= format) loads from
     return model, tokenizer
 
 
@@ -37,7 +39,10 @@ def load_model(name: str = "default", dtype=torch.float32):
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if name == "default":
         return load_default(dtype)
-    return load_model_and_tokenizer(resolve_model_dir(name), device=bench_device(), dtype=dtype)
+    source = resolve_model_dir(name)
+    model, tokenizer = load_model_and_tokenizer(source, device=bench_device(), dtype=dtype)
+    model.bench_source = source
+    return model, tokenizer
 
 
 def environment(model, name: str = "default") -> dict:

@@ -56,12 +56,13 @@ class EngineConfig:
         the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
         does not fit on the GPU. Implies paged KV.
     native_decode: one sequence's decode step as one call into native code (kvboost_engine/native:
-        every layer in AVX512-VNNI integer kernels, no PyTorch op per norm or projection), for
-        models converted with weights="int4" (Llama, Mistral, Qwen2 layouts). None (default): on
-        where it can run (x86-64 Linux, AVX512-VNNI, a C++ compiler for the one-time build), else
-        the PyTorch layer loop; True: required (InputError with the reason where it cannot run);
-        False: off. It quantizes activations to int8 per block of 32, so its replies can differ
-        from the PyTorch int4 path's; Engine.stats() says whether it runs and why not.
+        every layer in AVX512 kernels, no PyTorch op per norm or projection), for float32 models
+        and models converted with weights="int4" (Llama, Mistral, Qwen2 layouts, on CPU). None
+        (default): on where it can run (x86-64 Linux, AVX512-VNNI, a C++ compiler for the one-time
+        build), else the PyTorch layer loop; True: required (InputError with the reason where it
+        cannot run); False: off. In float32 it is the same arithmetic in another order of
+        additions; with int4 it quantizes activations to int8 per block of 32, so its replies can
+        differ from the PyTorch int4 path's. Engine.stats() says whether it runs and why not.
     max_running: most requests decoding or prefilling at once in the engine's batch (continuous
         batching: every step is one forward over all of them).
     max_batch_tokens: most tokens one batch step computes (decode tokens plus prompt chunks);

@@ -185,7 +185,7 @@ def native_decoder_for(config: EngineConfig, adapter: ModelAdapter):
     if config.native_decode is False:
         return None, "off (native_decode=False)"
     from .native.decoder import native_decoder
-    decoder, reason = native_decoder(adapter, allow_float=bool(config.native_decode))
+    decoder, reason = native_decoder(adapter)
     if decoder is None and config.native_decode:
         raise InputError(f"native_decode=True, but the native decode step cannot run: {reason}")
     return decoder, reason

@@ -105,7 +105,7 @@ def test_closed_stream_and_exception_leave_cache_consistent(engine, cold_engine,
 
     def flaky(layer_idx, *args):
         calls["n"] += 1
-        if calls["n"] == 40:
+        if calls["n"] == 20:                            # in the prefill (decode steps may not call it)
             raise KeyboardInterrupt("simulated interrupt mid-forward")
         return real(layer_idx, *args)
 

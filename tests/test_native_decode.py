@@ -52,7 +52,7 @@ def _decode_both(model, kv_factory, steps=12):
     """Prefill PROMPT into two KVs, then decode the same tokens with PyTorch and native steps."""
     adapter = ModelAdapter(model)
     forward = Forward(adapter)
-    decoder, reason = native_decoder(adapter, threads=2, allow_float=True)
+    decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
     kv_torch, kv_native = kv_factory(adapter), kv_factory(adapter)
     with torch.inference_mode():
@@ -106,7 +106,7 @@ def test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, override
 @needs_cpu
 @pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
 def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory):
-    """Float32 weights (native_decode=True): the same arithmetic in another order of additions."""
+    """Float32 weights: the same arithmetic in another order of additions."""
     model = tiny_model("qwen2", seed=5, **WIDE)
     pairs, kv_torch, kv_native = _decode_both(model, kv_factory)
     for n, (want, got) in enumerate(pairs):
@@ -119,7 +119,7 @@ def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory):
 
 
 @needs_cpu
-def test_engine_uses_it_for_int4_and_not_for_float(tmp_path, monkeypatch):
+def test_engine_uses_it_by_default_and_off_on_request(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
     model = int4_model("llama", tmp_path)
     from transformers import AutoTokenizer
@@ -132,9 +132,13 @@ def test_engine_uses_it_for_int4_and_not_for_float(tmp_path, monkeypatch):
     off = Engine(model, tokenizer, cache_bytes=0, native_decode=False)
     assert off.stats()["native_decode"] is False and "native_decode=False" in off.stats()["native_decode_off"]
     plain = tiny_model("llama")
-    assert "native_decode=True" in unsupported_reason(ModelAdapter(plain))
-    assert Engine(plain, tokenizer, cache_bytes=0).stats()["native_decode"] is False
-    assert Engine(plain, tokenizer, cache_bytes=0, native_decode=True).stats()["native_decode"] is True
+    assert unsupported_reason(ModelAdapter(plain)) is None
+    assert Engine(plain, tokenizer, cache_bytes=0).stats()["native_decode"] is True
+    bf16 = tiny_model("llama")
+    convert_model(bf16, "bf16", cache_dir=tmp_path)
+    assert "float32" in unsupported_reason(ModelAdapter(bf16))
+    with pytest.raises(InputError, match="int4"):
+        Engine(bf16, tokenizer, cache_bytes=0, native_decode=True)
     with pytest.raises(InputError, match="native_decode"):
         Engine(plain, tokenizer, cache_bytes=0, native_decode="yes")
     gemma = tiny_model("gemma3_text")
@@ -162,18 +166,43 @@ def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
         Engine(model, tokenizer, cache_bytes=0, native_decode=True)
 
 
-def test_float_default_reply_is_unchanged(smol):
-    """The default model in float32 keeps the PyTorch layer loop unless asked (native_decode=True),
-    and the native float step gives the same greedy reply on a short chat."""
+@needs_cpu
+def test_float_default_reply_equals_the_pytorch_loop(smol):
+    """The default model in float32 decodes natively by default and gives the same greedy replies
+    as the PyTorch layer loop (native_decode=False), cold and over a cached prefix."""
     model, tokenizer = smol
-    question = [{"role": "user", "content": "What color is the sky on a clear day?"}]
-    default = Engine(model, tokenizer, cache_bytes=0)
-    assert default.stats()["native_decode"] is False
-    want = default.chat(question, max_new_tokens=16).token_ids
-    if build.cpu_reason() is None:
-        native = Engine(model, tokenizer, cache_bytes=0, native_decode=True)
-        assert native.stats()["native_decode"] is True
-        assert native.chat(question, max_new_tokens=16).token_ids == want
+    torch_loop = Engine(model, tokenizer, native_decode=False)
+    native = Engine(model, tokenizer)
+    assert native.stats()["native_decode"] is True
+    chat = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "What color is the sky on a clear day?"}]
+    for _ in range(2):                                  # the second time over the cached prompt
+        want = torch_loop.chat(chat, max_new_tokens=24)
+        got = native.chat(chat, max_new_tokens=24)
+        assert got.token_ids == want.token_ids
+    assert got.reused_tokens > 0
+
+
+@needs_cpu
+def test_an_interrupt_in_a_native_step_leaves_the_cache_consistent(smol, monkeypatch):
+    from kvboost_engine.native.decoder import NativeDecoder
+    model, tokenizer = smol
+    engine, cold = Engine(model, tokenizer), Engine(model, tokenizer, cache_bytes=0)
+    chat = [{"role": "user", "content": "List four bike parts."}]
+    calls = {"n": 0}
+    real = NativeDecoder.__call__
+
+    def flaky(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("simulated interrupt mid-decode")
+        return real(self, *args)
+    monkeypatch.setattr(NativeDecoder, "__call__", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        engine.chat(chat, max_new_tokens=12)
+    monkeypatch.setattr(NativeDecoder, "__call__", real)
+    engine.cache.check_invariants()
+    assert engine.chat(chat, max_new_tokens=12).token_ids == cold.chat(chat, max_new_tokens=12).token_ids
 
 
 @needs_cpu

@@ -44,9 +44,8 @@ import torch
 
 from .._common import median_time
 
-# "-native": native_decode=True (the float32 native step); "-torch": native_decode=False (the
-# PyTorch layer loop where the default would take the native step)
-FORMATS = ("fp32", "fp32-native", "bf16", "int8", "int4", "int4-torch")
+# "-torch": native_decode=False (the PyTorch layer loop where the default takes the native step)
+FORMATS = ("fp32", "fp32-torch", "bf16", "int8", "int4", "int4-torch")
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -107,7 +106,7 @@ def decode_perplexity(engine, tokens: list[int]) -> float:
     from kvboost_engine.model.forward import Forward
     from kvboost_engine.native.decoder import native_decoder
     adapter = engine.adapter
-    fast = native_decoder(adapter, allow_float=True)[0] if engine.stats()["native_decode"] else None
+    fast = native_decoder(adapter)[0] if engine.stats()["native_decode"] else None
     forward, kv = Forward(adapter, fast), SequenceKV(adapter.geometry, len(tokens), adapter.device)
     total = 0.0
     with torch.inference_mode():

@@ -20,6 +20,7 @@ its completion call, ours as transcript segments with the documents as their own
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -87,14 +88,10 @@ class System:
         set_attention(self.model, self.attention)
         prepared = self._prepare(request)
         clock = TokenClock()
-        hook = self.model.lm_head.register_forward_hook(clock.tick) if self.clock_on_lm_head else None
-        try:
+        with self._timing(clock):
             started = time.perf_counter()
             reply = self._reply(prepared, max_new_tokens, clock)
             total = time.perf_counter() - started
-        finally:
-            if hook is not None:
-                hook.remove()
         times = clock.times
         n = len(times)
         return {
@@ -104,6 +101,17 @@ class System:
             "new_tokens": n, "ttft_s": (times[0] - started) if n else total, "total_s": total,
             "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
         }
+
+    @contextlib.contextmanager
+    def _timing(self, clock: TokenClock):
+        """Tick `clock` once per generated token while the reply runs: by default on every call of
+        the model's lm_head (one per token); systems that time themselves tick in `_reply`."""
+        hook = self.model.lm_head.register_forward_hook(clock.tick) if self.clock_on_lm_head else None
+        try:
+            yield
+        finally:
+            if hook is not None:
+                hook.remove()
 
     def _prepare(self, request: Request):
         """The caller's own input objects (messages of its framework, or the transcript text in
@@ -214,11 +222,25 @@ class KVBoostPyPI(System):
 
 
 class OursEngine(System):
-    """kvboost_engine.Engine with default options (exact reuse only); documents and files as document parts."""
+    """kvboost_engine.Engine with default options (exact reuse only); documents and files as document parts.
+
+    Tokens are timed from the engine's instruments (its first token, then each decode forward):
+    the native decode step does not call the lm_head module."""
 
     id, label, package = "ours-engine", "ours: Engine", "kvboost-integrations"
     flat = False
     options: dict = {}
+    clock_on_lm_head = False
+
+    @contextlib.contextmanager
+    def _timing(self, clock: TokenClock):
+        from kvboost_engine import FirstTokenEvent, ForwardEvent
+
+        def tick(event):
+            if isinstance(event, FirstTokenEvent) or (isinstance(event, ForwardEvent) and event.kind == "decode"):
+                clock.tick()
+        with self.engine.instruments.subscribe(tick):
+            yield
 
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
@@ -282,17 +304,15 @@ class OursEngineCacheOrder(OursEngine):
 
 class OursEngineInt4(OursEngine):
     """Our engine on the same model converted with weights="int4" (its own copy of the weights,
-    converted once and cached), which decodes through the native step where it can run. Tokens are
-    timed from the engine's instruments (the native step does not call the lm_head module)."""
+    converted once and cached)."""
 
     id, label = "ours-engine-int4", 'ours: Engine, weights="int4"'
-    clock_on_lm_head = False
 
     def __init__(self, model, tokenizer):
         from kvboost_engine.loading import load_model_and_tokenizer
-        source = getattr(model.config, "_name_or_path", "")
-        if not source:
-            raise RuntimeError("the model has no directory to load its int4 copy from")
+        source = getattr(model, "bench_source", None)
+        if source is None:
+            raise RuntimeError("the model has no directory to load its int4 copy from (load it with benchmarks._common)")
         self.int4_model, _ = load_model_and_tokenizer(source, device=torch.device("cpu"), dtype=torch.float32,
                                                       weights="int4")
         super().__init__(model, tokenizer)
@@ -300,15 +320,6 @@ class OursEngineInt4(OursEngine):
     def reset(self):
         from kvboost_engine import Engine
         self.engine = Engine(self.int4_model, self.tokenizer, **self.options)
-
-    def _reply(self, prompt, max_new_tokens, clock):
-        from kvboost_engine import FirstTokenEvent, ForwardEvent
-
-        def tick(event):
-            if isinstance(event, FirstTokenEvent) or (isinstance(event, ForwardEvent) and event.kind == "decode"):
-                clock.tick()
-        with self.engine.instruments.subscribe(tick):
-            return super()._reply(prompt, max_new_tokens, clock)
 
 
 class OursLangChain(OursEngine):

@@ -1,5 +1,4 @@
-"""The native decode step (decode.cpp): for a model converted with weights="int4", and on request
-for a float32 model.
+"""The native decode step (decode.cpp), for float32 models and models converted with weights="int4".
 
 A decode step of one sequence (one new token over its KV) is one call into native code, which
 runs every layer: no PyTorch op per norm, projection or attention. Weights are repacked at load
@@ -10,9 +9,10 @@ so the step computes with the same weights; the activations are quantized to int
 activations (as the PyTorch path does). Prefill, batched steps and everything else stay on the
 PyTorch path; a step whose KV is not addressable by slot (blocks spilled to disk) too.
 
-A float32 model (native_decode=True) keeps its own weights: the step reads the model's float
-matrices in place (no copy) with float activations, the same arithmetic as the PyTorch step up to
-the order of additions.
+A float32 model keeps its own weights: the step reads the model's float matrices in place (no
+copy) with float activations, the same arithmetic as the PyTorch step up to the order of additions
+(greedy replies are the same on the tests and benchmarks; exact reuse stays exact, since a request
+with and without cache decodes through the same step).
 
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
 types), float32, and either every decoder linear layer in int4 with the head in int8
@@ -100,9 +100,8 @@ def _float(module: torch.nn.Linear) -> dict:
             "dims": (module.out_features, module.in_features, 32)}
 
 
-def unsupported_reason(adapter: ModelAdapter, allow_float: bool = False) -> str | None:
-    """Why the native step cannot run this model (None: it can); float32 weights only with
-    `allow_float`."""
+def unsupported_reason(adapter: ModelAdapter) -> str | None:
+    """Why the native step cannot run this model (None: it can)."""
     config = adapter.config
     if config.model_type not in MODEL_TYPES:
         return f"model type {config.model_type!r} (native decode runs {', '.join(MODEL_TYPES)})"
@@ -113,10 +112,9 @@ def unsupported_reason(adapter: ModelAdapter, allow_float: bool = False) -> str 
     if getattr(adapter.model, "kvboost_streamer", None) is not None:
         return "layers are streamed"
     kind = weights_kind(adapter)
-    if kind is None or (kind == "float" and not allow_float):
-        return ('needs every decoder linear layer in int4 and the head in int8 (weights="int4")' +
-                (", or all of them in float32" if allow_float else
-                 "; float32 models take it only with native_decode=True"))
+    if kind is None:
+        return ('needs every decoder linear layer and the head in float32, or the layers in int4 and the '
+                'head in int8 (weights="int4")')
     for layer in adapter.layers:
         if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in _linears(layer)):
             return "a layer's shape is not a multiple of 16 rows x 32 columns"
@@ -220,11 +218,9 @@ class NativeDecoder:
             pass
 
 
-def native_decoder(adapter: ModelAdapter, threads: int | None = None,
-                   allow_float: bool = False) -> tuple[NativeDecoder | None, str | None]:
-    """(a decoder, None) for this model on this machine, or (None, why not); float32 models only
-    with `allow_float`."""
-    reason = unsupported_reason(adapter, allow_float)
+def native_decoder(adapter: ModelAdapter, threads: int | None = None) -> tuple[NativeDecoder | None, str | None]:
+    """(a decoder, None) for this model on this machine, or (None, why not)."""
+    reason = unsupported_reason(adapter)
     if reason is not None:
         return None, reason
     lib, reason = build.load()
