@@ -235,3 +235,25 @@ def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
     lib, reason = build.load()
     assert lib is None and "failed" in reason
     assert not list((tmp_path / "native").glob("*.so"))
+
+
+@needs_cpu
+def test_int4_requests_decoding_together_match_each_alone():
+    """Up to batch_limit int4 sequences decoding together take one native step each (faster than
+    one batched PyTorch step there): the same tokens as each request alone."""
+    import threading
+    engine = Engine.from_pretrained(weights="int4", cache_bytes=0)
+    assert engine.stats()["native_decode"] is True
+    prompts = [[{"role": "user", "content": f"Write a short sentence about the number {n}."}] for n in (3, 7, 11, 42)]
+    serial = [engine.chat(p, max_new_tokens=12).token_ids for p in prompts]
+    together = [None] * len(prompts)
+
+    def work(i):
+        together[i] = engine.chat(prompts[i], max_new_tokens=12).token_ids
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == serial
+    assert engine.cache.pool.usage()["in_use"] == 0

@@ -34,9 +34,14 @@ def use_kvboost_attention(model: torch.nn.Module) -> None:
 
 
 class FastDecode(Protocol):
+    batch_limit: int        # up to this many decoding sequences take one fast step each, not one batched step
+
     def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
         """Compute one token at `position` over `kv` (its KV written in place) and return logits
         [vocab] (fp32), or None when it cannot run on this KV (the layer loop runs instead)."""
+
+    def accepts(self, kv, position: int) -> bool:
+        """Whether a step at `position` can run on `kv`."""
 
 
 class Forward:
@@ -110,10 +115,16 @@ class Forward:
         """One forward over several sequences: items are (kv, token_ids, start); returns the logits
         [vocab] (fp32) after each item's last token where `want_logits`, else None. The weights are
         read once for all of them; each sequence attends over its own KV. A single item takes the
-        single-sequence path (the same numbers as before batching)."""
+        single-sequence path (the same numbers as before batching), and so do up to
+        `fast_decode.batch_limit` decoding sequences, one fast step each."""
         if len(items) == 1:
             kv, token_ids, start = items[0]
             return [self(kv, token_ids, start)]
+        fast = self.fast_decode
+        if (fast is not None and len(items) <= fast.batch_limit
+                and all(len(ids) == 1 and fast.accepts(kv, start) for kv, ids, start in items)):
+            logits = [fast(kv, ids[0], start) for kv, ids, start in items]
+            return [out if want else None for out, want in zip(logits, want_logits)]
         a = self.adapter
         rows, steps, positions, lo = [], [], [], 0
         for kv, token_ids, start in items:
