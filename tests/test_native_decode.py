@@ -16,6 +16,7 @@ from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder, pack_codes, unsupported_reason
 from kvboost_engine.weights.quantized import convert_model
 from tiny_models import tiny_model
+from together import serial_and_together
 
 needs_cpu = pytest.mark.skipif(build.cpu_reason() is not None, reason=str(build.cpu_reason()))
 PROMPT = [5, 900, 17, 3000, 42, 7, 123, 4567, 89, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
@@ -241,19 +242,8 @@ def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
 def test_int4_requests_decoding_together_match_each_alone():
     """Up to batch_limit int4 sequences decoding together take one native step each (faster than
     one batched PyTorch step there): the same tokens as each request alone."""
-    import threading
     engine = Engine.from_pretrained(weights="int4", cache_bytes=0)
     assert engine.stats()["native_decode"] is True
-    prompts = [[{"role": "user", "content": f"Write a short sentence about the number {n}."}] for n in (3, 7, 11, 42)]
-    serial = [engine.chat(p, max_new_tokens=12).token_ids for p in prompts]
-    together = [None] * len(prompts)
-
-    def work(i):
-        together[i] = engine.chat(prompts[i], max_new_tokens=12).token_ids
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    serial, together = serial_and_together(engine)
     assert together == serial
     assert engine.cache.pool.usage()["in_use"] == 0

@@ -12,6 +12,7 @@ from kvboost_engine.weights.formats import (Bf16Linear, FormatEmbedding, Int4Lin
                                             quantize_int4_groups, quantize_int8_rows, unpack_int4)
 from kvboost_integrations._options import engine_options
 from tiny_models import tiny_model
+from together import serial_and_together
 
 CPU = torch.device("cpu")
 FORMATS = ("bf16", "int8", "int4")
@@ -152,20 +153,8 @@ def test_batched_generation_with_int8_stays_close_to_serial():
     rows at once. Quantized kernels are not batch-invariant (the kernel, and its summation order,
     depends on the rows in a forward: bf16 dense from 32 rows on), so a near tie late in a reply
     may break the other way; the replies start the same and every request completes."""
-    import threading
     engine = Engine.from_pretrained(weights="int8", cache_bytes=0)
-    prompts = [[{"role": "user", "content": f"Write a short sentence about the number {n}."}] for n in (3, 7, 11, 42)]
-    serial = [engine.chat(p, max_new_tokens=12).token_ids for p in prompts]
-    batched = [None] * len(prompts)
-
-    def work(i):
-        batched[i] = engine.chat(prompts[i], max_new_tokens=12).token_ids
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    serial, batched = serial_and_together(engine)
     assert [b[:4] for b in batched] == [s[:4] for s in serial]
     assert all(len(b) == len(s) or 2 in b or 2 in s for b, s in zip(batched, serial))
     assert engine.cache.pool.usage()["in_use"] == 0
