@@ -327,90 +327,116 @@ struct Decoder {
     }
   }
 
+  struct StepArgs {
+    float* kv;
+    const int64_t* st;
+    const int64_t* slots;
+    int64_t pos;
+    const float* cos;
+    const float* sin;
+  };
+
+  // One decoder layer, this thread's share (thread 0 does the serial parts between barriers).
+  void layer_step(int l, const StepArgs& a, int id, int n) {
+    float* kv = a.kv;
+    const int64_t *st = a.st, *slots = a.slots;
+    const int64_t pos = a.pos;
+    const float *cos = a.cos, *sin = a.sin;
+    const int q_rows = heads * head_dim, kv_rows = kv_heads * head_dim;
+    const Layer& L = stack[l];
+    if (id == 0) {
+      rms_norm(x.data(), L.in_norm, hidden, eps, h.data());
+      if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+    }
+    team.barrier(n);
+    matvecs(L.qkv, h.data(), qkv.data(), id, n);
+    team.barrier(n);
+    if (id == 0) {
+      float* k = qkv.data() + q_rows;
+      float* v = k + kv_rows;
+      for (int hd = 0; hd < heads; ++hd) rotate(qkv.data() + hd * head_dim, cos, sin, head_dim);
+      for (int g = 0; g < kv_heads; ++g) {
+        rotate(k + g * head_dim, cos, sin, head_dim);
+        float* at = kv + l * st[1] + g * st[2] + slots[pos] * st[3];
+        std::memcpy(at, k + g * head_dim, sizeof(float) * head_dim);
+        std::memcpy(at + st[0], v + g * head_dim, sizeof(float) * head_dim);
+      }
+    }
+    team.barrier(n);
+    attention(L, l, kv, st, slots, pos, id, n);
+    team.barrier(n);
+    if (id == 0 && quantized) quantize(attn.data(), q_rows, xq.data(), dx.data(), sx.data());
+    team.barrier(n);
+    matvec(L.o, attn.data(), h.data(), id, n);
+    team.barrier(n);
+    if (id == 0) {
+      for (int i = 0; i < hidden; ++i) x[i] += h[i];
+      rms_norm(x.data(), L.post_norm, hidden, eps, h.data());
+      if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+    }
+    team.barrier(n);
+    matvecs(L.gate_up, h.data(), mlp.data(), id, n);
+    team.barrier(n);
+    if (id == 0) {
+      for (int i = 0; i < inter; ++i) {
+        float g = mlp[i];
+        act[i] = g / (1.f + std::exp(-g)) * mlp[inter + i];
+      }
+      if (quantized) quantize(act.data(), inter, xq.data(), dx.data(), sx.data());
+    }
+    team.barrier(n);
+    matvec(L.down, act.data(), h.data(), id, n);
+    team.barrier(n);
+    if (id == 0) for (int i = 0; i < hidden; ++i) x[i] += h[i];
+  }
+
+  // Final norm and head; with exact_top, each thread's best rows of its own range in best[id].
+  void head_step(float* logits, int id, int n) {
+    if (id == 0) {
+      rms_norm(x.data(), final_norm, hidden, eps, h.data());
+      if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+    }
+    team.barrier(n);
+    matvec(head, h.data(), logits, id, n);
+    if (exact_top > 0) {             // each thread's best rows of its own range
+      int t0, t1;
+      split(head.rows / TILE, id, n, &t0, &t1);
+      std::vector<std::pair<float, int>>& mine = best[id];
+      mine.clear();
+      for (int row = t0 * TILE; row < t1 * TILE; ++row) {
+        if (static_cast<int>(mine.size()) < exact_top) {
+          mine.emplace_back(logits[row], row);
+          std::push_heap(mine.begin(), mine.end(), std::greater<>());
+        } else if (logits[row] > mine.front().first) {
+          std::pop_heap(mine.begin(), mine.end(), std::greater<>());
+          mine.back() = {logits[row], row};
+          std::push_heap(mine.begin(), mine.end(), std::greater<>());
+        }
+      }
+    }
+  }
+
+  // Recompute the best exact_top logits in float from the float activations.
+  void refine_top(float* logits) {
+    std::vector<std::pair<float, int>> all;
+    for (auto& b : best) all.insert(all.end(), b.begin(), b.end());
+    std::sort(all.begin(), all.end(), std::greater<>());
+    all.resize(std::min<size_t>(all.size(), exact_top));
+    for (auto& [value, row] : all) logits[row] = exact_row(head, row, h.data());
+  }
+
   void step(const float* x_in, float* kv, const int64_t* st, const int64_t* slots, int64_t pos,
             const float* cos, const float* sin, float* logits) {
     std::lock_guard<std::mutex> lock(busy);
     std::memcpy(x.data(), x_in, sizeof(float) * hidden);
-    const int q_rows = heads * head_dim, kv_rows = kv_heads * head_dim;
+    const StepArgs args{kv, st, slots, pos, cos, sin};
+    for (auto& b : best) b.clear();         // a team smaller than the last one leaves no stale rows
     std::function<void(int, int)> job = [&](int id, int n) {
-      for (int l = 0; l < layers; ++l) {
-        const Layer& L = stack[l];
-        if (id == 0) {
-          rms_norm(x.data(), L.in_norm, hidden, eps, h.data());
-          if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
-        }
-        team.barrier(n);
-        matvecs(L.qkv, h.data(), qkv.data(), id, n);
-        team.barrier(n);
-        if (id == 0) {
-          float* k = qkv.data() + q_rows;
-          float* v = k + kv_rows;
-          for (int hd = 0; hd < heads; ++hd) rotate(qkv.data() + hd * head_dim, cos, sin, head_dim);
-          for (int g = 0; g < kv_heads; ++g) {
-            rotate(k + g * head_dim, cos, sin, head_dim);
-            float* at = kv + l * st[1] + g * st[2] + slots[pos] * st[3];
-            std::memcpy(at, k + g * head_dim, sizeof(float) * head_dim);
-            std::memcpy(at + st[0], v + g * head_dim, sizeof(float) * head_dim);
-          }
-        }
-        team.barrier(n);
-        attention(L, l, kv, st, slots, pos, id, n);
-        team.barrier(n);
-        if (id == 0 && quantized) quantize(attn.data(), q_rows, xq.data(), dx.data(), sx.data());
-        team.barrier(n);
-        matvec(L.o, attn.data(), h.data(), id, n);
-        team.barrier(n);
-        if (id == 0) {
-          for (int i = 0; i < hidden; ++i) x[i] += h[i];
-          rms_norm(x.data(), L.post_norm, hidden, eps, h.data());
-          if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
-        }
-        team.barrier(n);
-        matvecs(L.gate_up, h.data(), mlp.data(), id, n);
-        team.barrier(n);
-        if (id == 0) {
-          for (int i = 0; i < inter; ++i) {
-            float g = mlp[i];
-            act[i] = g / (1.f + std::exp(-g)) * mlp[inter + i];
-          }
-          if (quantized) quantize(act.data(), inter, xq.data(), dx.data(), sx.data());
-        }
-        team.barrier(n);
-        matvec(L.down, act.data(), h.data(), id, n);
-        team.barrier(n);
-        if (id == 0) for (int i = 0; i < hidden; ++i) x[i] += h[i];
-      }
-      if (id == 0) {
-        rms_norm(x.data(), final_norm, hidden, eps, h.data());
-        if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
-      }
-      team.barrier(n);
-      matvec(head, h.data(), logits, id, n);
-      if (exact_top > 0) {             // each thread's best rows of its own range
-        int t0, t1;
-        split(head.rows / TILE, id, n, &t0, &t1);
-        std::vector<std::pair<float, int>>& mine = best[id];
-        mine.clear();
-        for (int n = t0 * TILE; n < t1 * TILE; ++n) {
-          if (static_cast<int>(mine.size()) < exact_top) {
-            mine.emplace_back(logits[n], n);
-            std::push_heap(mine.begin(), mine.end(), std::greater<>());
-          } else if (logits[n] > mine.front().first) {
-            std::pop_heap(mine.begin(), mine.end(), std::greater<>());
-            mine.back() = {logits[n], n};
-            std::push_heap(mine.begin(), mine.end(), std::greater<>());
-          }
-        }
-      }
+      for (int l = 0; l < layers; ++l) layer_step(l, args, id, n);
+      head_step(logits, id, n);
     };
     team.run(job);
-    if (exact_top > 0) {
-      std::vector<std::pair<float, int>> all;
-      for (auto& b : best) all.insert(all.end(), b.begin(), b.end());
-      std::sort(all.begin(), all.end(), std::greater<>());
-      all.resize(std::min<size_t>(all.size(), exact_top));
-      for (auto& [value, n] : all) logits[n] = exact_row(head, n, h.data());
-    }
+    if (exact_top > 0) refine_top(logits);
   }
 };
 
