@@ -45,6 +45,34 @@ if not compat.V5:       # transformers 4.x keeps Gemma 3's two rotaries in other
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
+# Model types whose decoder layer is plain Llama math: RMSNorm (weight * x / rms), rotary over the
+# whole head, no q/k norms, a SiLU gate/up/down MLP. Code that runs the layer math itself (the
+# native decode step) takes only these, through `ModelAdapter.layer_parts`.
+PLAIN_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(slots=True, frozen=True)
+class LayerParts:
+    """One decoder layer of a plain-Llama model as plain parts."""
+
+    input_norm: torch.Tensor        # RMSNorm weights
+    post_norm: torch.Tensor
+    linears: tuple                  # the modules at LAYER_LINEARS, in that order
+    scaling: float                  # attention score scale
+    head_dim: int
+
+
+@dataclass(slots=True, frozen=True)
+class PlainLlama:
+    """The sizes of a plain-Llama model (see PLAIN_LLAMA_TYPES)."""
+
+    hidden: int
+    heads: int
+    intermediate: int
+    rms_norm_eps: float
+    final_norm: torch.Tensor
+
+
 # MKL's fp32 GEMM against a large fp32 lm_head takes a slow path for 8-15 rows: 8 rows cost about
 # 1.3x 16 rows (cold weights, 49152 x 576). A batched decode step's logits are padded to 16 rows
 # there (zero rows, dropped after); each row's logits do not depend on the others.
@@ -175,6 +203,27 @@ class ModelAdapter:
             kvboost_step=step,
         )
         return out[0] if isinstance(out, tuple) else out
+
+    def plain_llama(self) -> tuple[PlainLlama | None, str | None]:
+        """(the model's sizes, None) when its layers are plain Llama math, else (None, why not)."""
+        config = self.config
+        if config.model_type not in PLAIN_LLAMA_TYPES:
+            return None, f"model type {config.model_type!r} (plain Llama layers: {', '.join(PLAIN_LLAMA_TYPES)})"
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+            return None, "needs a SiLU MLP without bias"
+        if any(getattr(layer.self_attn, "head_dim", self.geometry.head_dim) != self.geometry.head_dim
+               for layer in self.layers):
+            return None, "attention head size differs from the KV geometry"
+        return PlainLlama(config.hidden_size, config.num_attention_heads, config.intermediate_size,
+                          float(config.rms_norm_eps), self.norm.weight), None
+
+    def layer_parts(self, layer_idx: int) -> LayerParts:
+        """Layer `layer_idx` of a plain-Llama model (check `plain_llama` first) as plain parts."""
+        layer = self.layers[layer_idx]
+        head_dim = self.geometry.head_dim
+        return LayerParts(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                          tuple(layer.get_submodule(name) for name in LAYER_LINEARS),
+                          float(getattr(layer.self_attn, "scaling", head_dim ** -0.5)), head_dim)
 
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, lm_head (and final logit soft-capping where the model has it) on the last

@@ -13,12 +13,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
-#include <thread>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -181,41 +179,23 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
-// Threads. Built with OpenMP (linked to the libgomp PyTorch already loaded), a step is one parallel
-// region of the calling thread's own OpenMP team, the one its PyTorch ops use: no second set of
-// threads competing for the cores. Without OpenMP, the caller is thread 0 and workers of our own
-// sleep between steps and spin on a barrier inside one.
+// Threads: a step is one OpenMP parallel region of the calling thread's own team (the libgomp
+// PyTorch already loaded, so its ops and this step share one set of threads). The stages inside
+// meet at a spin barrier of our own: libgomp's barrier sleeps on a futex after a short spin once
+// a process has more OpenMP threads than cores (a second thread that ran PyTorch ops is enough),
+// which made a step of ~300 barriers 50 % slower on a thread other than the main one.
 class Team {
  public:
-  explicit Team(int n) : n_(std::max(n, 1)) {
-#ifdef _OPENMP
-    return;
-#endif
-    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { loop(i); });
-  }
-  ~Team() {
-    { std::lock_guard<std::mutex> lock(mu_); stop_ = true; ++gen_; }
-    cv_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
+  explicit Team(int n) : n_(std::max(n, 1)) {}
   int size() const { return n_; }
+
   // job(thread id, threads) on every thread of the team
   void run(const std::function<void(int, int)>& job) {
-#ifdef _OPENMP
 #pragma omp parallel num_threads(n_)
     job(omp_get_thread_num(), omp_get_num_threads());
-    return;
-#endif
-    if (n_ == 1) { job(0, 1); return; }
-    { std::lock_guard<std::mutex> lock(mu_); job_ = &job; done_.store(0); ++gen_; }
-    cv_.notify_all();
-    job(0, n_);
-    while (done_.load(std::memory_order_acquire) != n_ - 1) _mm_pause();
   }
-  // All `n` threads of the step meet here. A spin barrier of our own, also under OpenMP: libgomp's
-  // barrier sleeps on a futex after a short spin once a process has more OpenMP threads than
-  // cores (a second thread that ran PyTorch ops is enough), which made a step of ~300 barriers
-  // 50 % slower on a thread other than the main one.
+
+  // All `n` threads of the step meet here.
   void barrier(int n) {
     if (n == 1) return;
     int gen = bar_gen_.load(std::memory_order_acquire);
@@ -228,29 +208,7 @@ class Team {
   }
 
  private:
-  void loop(int id) {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int, int)>* job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return gen_ != seen; });
-        seen = gen_;
-        if (stop_) return;
-        job = job_;
-      }
-      (*job)(id, n_);
-      done_.fetch_add(1, std::memory_order_acq_rel);
-    }
-  }
   int n_;
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  const std::function<void(int, int)>* job_ = nullptr;
-  uint64_t gen_ = 0;
-  bool stop_ = false;
-  std::atomic<int> done_{0};
   std::atomic<int> bar_count_{0};
   std::atomic<int> bar_gen_{0};
 };

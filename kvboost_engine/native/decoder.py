@@ -29,7 +29,6 @@ from ..weights.formats import INT4_GROUP, Int4Linear, Int8Linear, unpack_int4
 from . import build
 
 TILE, BLOCK = 16, 32
-MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
 
@@ -77,18 +76,13 @@ def _joined(modules: list, bits: int) -> dict:
 
 def weights_kind(adapter: ModelAdapter) -> str | None:
     """"int4" (decoder layers int4, head int8), "float" (all plain float32 linears), or None."""
-    linears = [m for layer in adapter.layers for m in _linears(layer)]
+    linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
     if all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears) \
             and type(adapter.lm_head) is Int8Linear:
         return "int4"
     if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in [*linears, adapter.lm_head]):
         return "float"
     return None
-
-
-def _linears(layer) -> list:
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
 
 
 ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
@@ -102,24 +96,20 @@ def _float(module: torch.nn.Linear) -> dict:
 
 def unsupported_reason(adapter: ModelAdapter) -> str | None:
     """Why the native step cannot run this model (None: it can)."""
-    config = adapter.config
-    if config.model_type not in MODEL_TYPES:
-        return f"model type {config.model_type!r} (native decode runs {', '.join(MODEL_TYPES)})"
+    _, reason = adapter.plain_llama()
+    if reason is not None:
+        return reason
     if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
         return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
-        return "needs a SiLU MLP without bias"
     if getattr(adapter.model, "kvboost_streamer", None) is not None:
         return "layers are streamed"
     kind = weights_kind(adapter)
     if kind is None:
         return ('needs every decoder linear layer and the head in float32, or the layers in int4 and the '
                 'head in int8 (weights="int4")')
-    for layer in adapter.layers:
-        if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in _linears(layer)):
+    for i in range(len(adapter.layers)):
+        if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in adapter.layer_parts(i).linears):
             return "a layer's shape is not a multiple of 16 rows x 32 columns"
-        if getattr(layer.self_attn, "head_dim", adapter.geometry.head_dim) != adapter.geometry.head_dim:
-            return "attention head size differs from the KV geometry"
     head = adapter.lm_head
     if kind == "int4" and (head.out_features % TILE or head.in_features % BLOCK):
         return "the output head's shape is not a multiple of 16 rows x 32 columns"
@@ -135,7 +125,7 @@ class NativeDecoder:
     def __init__(self, adapter: ModelAdapter, lib, threads: int):
         self.adapter = adapter
         self._lib = lib
-        config, g = adapter.config, adapter.geometry
+        plain, g = adapter.plain_llama()[0], adapter.geometry
         self._keep = []                                         # every tensor the native side points at
         self.kind = weights_kind(adapter)
         # Several sequences decoding together: up to this many, one native step each beats one
@@ -143,27 +133,27 @@ class NativeDecoder:
         # float32 at 2 already 42 vs 38 ms, so float batches always take the batched step)
         self.batch_limit = 8 if self.kind == "int4" else 1
         layer_ptrs, layer_dims = [], []
-        for layer in adapter.layers:
-            norms = [self._hold(layer.input_layernorm.weight.float()),
-                     self._hold(layer.post_attention_layernorm.weight.float())]
+        parts = [adapter.layer_parts(i) for i in range(len(adapter.layers))]
+        for layer in parts:
+            norms = [self._hold(layer.input_norm.float()), self._hold(layer.post_norm.float())]
             if self.kind == "int4":
-                q, k, v, o, gate, up, down = _linears(layer)
+                q, k, v, o, gate, up, down = layer.linears
                 mats = [_joined([q, k, v], 4), ABSENT, ABSENT, _joined([o], 4), _joined([gate, up], 4), ABSENT,
                         _joined([down], 4)]
             else:
-                mats = [_float(m) for m in _linears(layer)]
+                mats = [_float(m) for m in layer.linears]
             layer_ptrs += norms + [p for mat in mats for p in self._mat_ptrs(mat)]
             layer_dims += [v for mat in mats for v in mat["dims"]]
         head = _joined([adapter.lm_head], 8) if self.kind == "int4" else _float(adapter.lm_head)
-        head_ptrs = [self._hold(adapter.norm.weight.float())] + self._mat_ptrs(head)
+        head_ptrs = [self._hold(plain.final_norm.float())] + self._mat_ptrs(head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
-        sizes = [len(adapter.layers), config.hidden_size, config.num_attention_heads, g.kv_heads, g.head_dim,
-                 config.intermediate_size, self.vocab, self.exact_top, threads]
+        sizes = [len(adapter.layers), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
+                 self.vocab, self.exact_top, threads]
         windows = [w or 0 for w in adapter.layer_windows]
-        scaling = float(getattr(adapter.layers[0].self_attn, "scaling", g.head_dim ** -0.5))
+        scaling = parts[0].scaling
         self._handle = lib.kvb_decoder_new(
-            _ints(sizes), float(config.rms_norm_eps), scaling, _ptrs(layer_ptrs), _ints(layer_dims), _ints(windows),
+            _ints(sizes), plain.rms_norm_eps, scaling, _ptrs(layer_ptrs), _ints(layer_dims), _ints(windows),
             _ptrs(head_ptrs), _ints(list(head["dims"])))
         self.threads = threads
         rope = str(adapter.rope_settings().get("rope_type", "default"))
