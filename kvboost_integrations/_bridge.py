@@ -5,6 +5,7 @@
 - `aiter_stream`: run a GenerationStream off the event loop; cancelling the consumer stops decoding.
 - `document_reuse`: document tokens of a prompt and how many of them were reused.
 - `iter_stream` / `aiter_stream_timeout`: the same with a timeout, for adapters that take one.
+- `token_ids`: text -> ids with the model's own tokenizer (local, or the server's over an endpoint).
 """
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def resolve_engine(engine: Engine | None, model=None, options: dict | None = Non
     if engine is not None:
         return engine
     return shared_engine(model, **(options or {}))
+
+
+def token_ids(engine, text: str) -> list[int]:
+    """Token ids of `text` alone (no special tokens) with the engine's tokenizer: the model's own for
+    a local engine (offline); over an endpoint the server's `/tokenize` or the local tokenizer given."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def generation_metadata(gen: Generation, model_name: str) -> dict:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from kvboost_engine import Engine, Generation
 from kvboost_engine.loading import DEFAULT_MODEL_NAME
 
-from .._bridge import generation_metadata, resolve_engine
+from .._bridge import generation_metadata, resolve_engine, token_ids
 from .._options import check_arguments, engine_options
 from ..remote import RemoteEngine, connect
 
@@ -101,6 +101,14 @@ class KVBoostSettings(BaseModel):
                                      moved_reuse=self.moved_reuse)
             self._engine = resolve_engine(self.engine, self.model, options)
         return self._engine
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` with the model's own tokenizer (no special tokens), offline for a local
+        model; with `endpoint`, the server's `/tokenize` (or `engine_kwargs["tokenizer"]`). A
+        `custom_get_token_ids` given to the constructor takes precedence. `get_num_tokens` counts these."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return token_ids(self.get_engine(), text)
 
     @property
     def model_name(self) -> str:

@@ -89,8 +89,7 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
             return engine.stream_chat(chat, constraint=response_constraint(response_format), **constrained)
         if not tools:
             return engine.stream_chat(chat, **params)
-        template_kwargs = {"tools": tools} if fmt.native else {}
-        chat = chat if fmt.native else add_tool_prompt(chat, tools)
+        chat, template_kwargs = with_tools(chat, tools, fmt)
         if choice == "auto":
             return engine.stream_chat(chat, template_kwargs=template_kwargs, skip_special_tokens=False, **params)
         return engine.stream_chat(chat, template_kwargs=template_kwargs, skip_special_tokens=False,
@@ -123,6 +122,24 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                          **kwargs: Any) -> ChatResult:
         return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+    # ---- token counting ---------------------------------------------------------------------
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Prompt tokens of `messages` as this model receives them: its chat template (with the
+        generation prompt) and `tools` (as `bind_tools` takes them) included. Offline for a local
+        model; with `endpoint`, the server's tokenizer and template (or the local tokenizer given).
+        This is `usage_metadata["input_tokens"]` of a call with these messages, so
+        `trim_messages(history, token_counter=llm, max_tokens=...)` keeps a history inside the window."""
+        if not messages:
+            return 0
+        formatted = [convert_to_openai_tool(tool) for tool in tools or ()]
+        engine = self.get_engine()
+        if is_remote(engine):
+            return engine.count_tokens(to_engine_messages(messages, native_tools=True), tools=formatted or None)
+        fmt = tool_format(engine.tokenizer)
+        chat = to_engine_messages(messages, native_tools=fmt.native)
+        chat, template_kwargs = with_tools(chat, formatted, fmt) if formatted else (chat, {})
+        return len(engine.encode_messages(chat, **template_kwargs))
 
     # ---- tools and structured output ------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
@@ -191,6 +208,14 @@ class _Reply:
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
                                  response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})
+
+
+def with_tools(chat: list[dict], tools: list[dict], fmt) -> tuple[list[dict], dict]:
+    """(messages, template kwargs) that show `tools` to the model: through its chat template when
+    the template renders tools, else as our tool prompt in the messages."""
+    if fmt.native:
+        return chat, {"tools": tools}
+    return add_tool_prompt(chat, tools), {}
 
 
 def response_constraint(response_format) -> Grammar:

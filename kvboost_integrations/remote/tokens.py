@@ -10,6 +10,7 @@ the framework classes use; results are cached per text (the same node texts are 
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections import OrderedDict
@@ -58,21 +59,25 @@ class ServerTokenizer:
                                                  "parse_special": False})["tokens"])
         return [0] * math.ceil(len(text) / CHARS_PER_TOKEN)
 
-    def count_chat(self, messages: list[dict]) -> int:
-        """Prompt tokens of wire `messages` with the server's chat template and generation prompt."""
+    def count_chat(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        """Prompt tokens of wire `messages` (and `tools`) with the server's chat template and
+        generation prompt."""
+        with_tools = {"tools": tools} if tools else {}
         if self.kind == "vllm":
             return int(self._post("/tokenize", {"model": self.model, "messages": messages,
-                                                "add_generation_prompt": True})["count"])
+                                                "add_generation_prompt": True, **with_tools})["count"])
         if self.kind == "llamacpp":
-            prompt = self._post("/apply-template", {"messages": messages})["prompt"]
+            prompt = self._post("/apply-template", {"messages": messages, **with_tools})["prompt"]
             return len(self._post("/tokenize", {"content": prompt, "add_special": True,
                                                "parse_special": True})["tokens"])
-        return sum(len(self.encode(m.get("content") or "")) + MESSAGE_OVERHEAD for m in messages)
+        tool_text = "".join(json.dumps(tool) for tool in tools or ())
+        return (sum(len(self.encode(m.get("content") or "")) + MESSAGE_OVERHEAD for m in messages)
+                + len(self.encode(tool_text)))
 
 
-def count_chat_local(tokenizer, messages: list[dict]) -> int:
-    """Prompt tokens of wire `messages` with a local HF tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def count_chat_local(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> int:
+    """Prompt tokens of wire `messages` (and `tools`) with a local HF tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return len(ids)
