@@ -11,10 +11,11 @@ from .errors import (BudgetError, ContextWindowError, InputError, KVBoostError, 
 from .instrument import FirstTokenEvent, ForwardEvent, Instruments
 from .registry import shared_engine
 from .request.generation import Generation, GenerationStream
+from .request.logprobs import TextDelta
 from .request.prompt import Segment
 
 __all__ = [
-    "Engine", "EngineConfig", "shared_engine", "Generation", "GenerationStream", "Segment",
+    "Engine", "EngineConfig", "shared_engine", "Generation", "GenerationStream", "Segment", "TextDelta",
     "KVBoostError", "InputError", "ContextWindowError", "ModelNotFoundError",
     "UnsupportedModelError", "BudgetError", "Instruments", "ForwardEvent", "FirstTokenEvent",
 ]

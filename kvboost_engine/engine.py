@@ -147,6 +147,9 @@ class Engine:
         constraint = params.pop("constraint", None)
         sampling = SamplingParams.build(**params)
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self._grammars.vocab_size:
+            raise InputError(f"logit_bias names token {sampling.logit_bias[-1][0]}, beyond this model's "
+                             f"{self._grammars.vocab_size} tokens")
         if constraint is not None:
             if sampling.stop:
                 raise InputError("stop strings cannot be combined with a constraint: the grammar decides where "

@@ -18,6 +18,7 @@ from ..instrument import FirstTokenEvent, Instruments
 from ..model.arch import ModelAdapter
 from .detok import TextAssembler
 from .generation import Generation
+from .logprobs import LogprobRecorder, TextDelta
 from .prefill import Prefilled, PrefillParts
 from .sampling import Sampler, SamplingParams
 from .tokens import PromptTokenizer, TokenizedPrompt
@@ -106,7 +107,11 @@ class Decoding:
     def __init__(self, parts: EngineParts, request: Request, done: Prefilled):
         self.parts, self.request = parts, request
         self.gen = Generation(prompt_tokens=len(request.prompt))
-        self.sampler = Sampler(request.params, parts.adapter.device, parts.eos_ids)
+        self.sampler = Sampler(request.params, parts.adapter.device, parts.eos_ids, request.prompt.token_ids)
+        self.logprobs = LogprobRecorder(parts.tokenizer, request.params.top_logprobs) if request.params.logprobs else None
+        self._logprobs_sent = 0
+        if self.logprobs is not None:
+            self.gen.logprobs = []
         self.text = TextAssembler(parts.tokenizer, request.params.stop, request.params.skip_special_tokens)
         self.kv, self.n = done.sequence, len(request.prompt)
         self.valid, self.exact_upto = self.n, done.exact_upto    # KV positions computed / equal to a full prefill
@@ -139,11 +144,15 @@ class Decoding:
         constraint = self.request.constraint
         if constraint is not None:
             logits = constraint.mask(logits)
-        token = self.sampler(logits, len(self.gen.token_ids))
+        logits = self.sampler.adjust(logits, len(self.gen.token_ids))
+        token = self.sampler.pick(logits)
         if constraint is not None:
             if logits[token] == float("-inf"):
                 raise InputError("the constraint allows no token here (its grammar cannot continue)")
             constraint.advance(token)
+        self.sampler.accept(token)
+        if self.logprobs is not None and token not in self.parts.eos_ids:
+            self.gen.logprobs.append(self.logprobs.entry(logits, token))
         return token
 
     def _take(self) -> None:
@@ -154,7 +163,7 @@ class Decoding:
             return self.finish("stop")
         delta = self.text.add(token)
         if delta:
-            self.request.channel.delta(delta)
+            self.request.channel.delta(self._with_logprobs(delta))
         constraint = self.request.constraint
         if self.text.stopped_at is not None or (constraint is not None and constraint.is_finished()):
             return self.finish("stop")
@@ -162,6 +171,13 @@ class Decoding:
             return self.finish("length")
         if self.request.cancel.is_set():
             return self.finish("cancelled")
+
+    def _with_logprobs(self, delta: str) -> str:
+        """The delta, carrying the logprobs of the tokens since the last one when they are recorded."""
+        if self.logprobs is None:
+            return delta
+        entries, self._logprobs_sent = self.gen.logprobs[self._logprobs_sent:], len(self.gen.logprobs)
+        return TextDelta(delta, entries)
 
     def finish(self, reason: str) -> None:
         """End the request: store the reply's KV, free the sequence, hand over the Generation."""

@@ -19,6 +19,8 @@ class Generation:
     (an EOS that ended generation included; it is not part of `text`).
     finish_reason: "stop" (EOS, stop string or a finished constraint), "length" (max_new_tokens),
     "cancelled", or "error" (the request raised; seen only by instrumentation and stats).
+    logprobs: with `logprobs=True`, one entry per generated token but the ending EOS (OpenAI's
+    chat `logprobs.content` items: token, token_id, logprob, bytes, top_logprobs); else None.
     """
 
     text: str = ""
@@ -31,6 +33,7 @@ class Generation:
     recomputed: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    logprobs: list[dict] | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError
+from .penalties import Penalties
 
 
 @dataclass(slots=True, frozen=True)
@@ -14,7 +16,18 @@ class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 is greedy; `min_new_tokens` keeps the
     end-of-sequence tokens out of reach until that many tokens were generated (as in
     transformers' `generate`). `skip_special_tokens=False` keeps special tokens other than the
-    one that ends the reply in the text (a tool-call marker such as `[TOOL_CALLS]`)."""
+    one that ends the reply in the text (a tool-call marker such as `[TOOL_CALLS]`).
+
+    Logits processors (all off by default), applied in this order before temperature, top-k and
+    top-p: `logit_bias` ({token id: bias in [-100, 100]}, added to the logits, as OpenAI's);
+    `repetition_penalty` (> 0; 1 is off; transformers' definition: a logit of a token seen in the
+    prompt or the reply is divided by it when positive, multiplied when negative);
+    `presence_penalty` and `frequency_penalty` (in [-2, 2]; OpenAI's definition: subtract
+    presence * [count > 0] + frequency * count, counted over the reply's tokens only).
+    `logprobs=True` records each generated token's log-probability under the processed logits
+    (after the processors and a constraint, before temperature / top-k / top-p) with its
+    `top_logprobs` (0 to 20) best alternatives.
+    """
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -24,10 +37,23 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logits processor (bias or penalty) is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @classmethod
     def build(cls, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None,
-              min_new_tokens=0, skip_special_tokens=True) -> "SamplingParams":
+              min_new_tokens=0, skip_special_tokens=True, repetition_penalty=1.0, presence_penalty=0.0,
+              frequency_penalty=0.0, logit_bias=None, logprobs=False, top_logprobs=0) -> "SamplingParams":
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if not _real(temperature) or not 0 <= temperature < math.inf:
@@ -44,8 +70,45 @@ class SamplingParams:
             raise InputError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
         if not isinstance(skip_special_tokens, bool):
             raise InputError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
+        processing = _processing(repetition_penalty, presence_penalty, frequency_penalty, logit_bias, logprobs,
+                                 top_logprobs)
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed,
-                   min(min_new_tokens, max_new_tokens), skip_special_tokens)
+                   min(min_new_tokens, max_new_tokens), skip_special_tokens, **processing)
+
+
+def _processing(repetition_penalty, presence_penalty, frequency_penalty, logit_bias, logprobs, top_logprobs) -> dict:
+    """The logits processors' and logprobs' parameters, validated."""
+    if not _real(repetition_penalty) or not 0 < repetition_penalty < math.inf:
+        raise InputError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition_penalty!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not _real(value) or not -2 <= value <= 2:
+            raise InputError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+    if not isinstance(logprobs, bool):
+        raise InputError(f"logprobs must be a bool, got {logprobs!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+        raise InputError(f"top_logprobs must be an int in [0, 20], got {top_logprobs!r}")
+    if top_logprobs and not logprobs:
+        raise InputError("top_logprobs needs logprobs=True")
+    return dict(repetition_penalty=float(repetition_penalty), presence_penalty=float(presence_penalty),
+                frequency_penalty=float(frequency_penalty), logit_bias=_bias(logit_bias), logprobs=logprobs,
+                top_logprobs=top_logprobs)
+
+
+def _bias(logit_bias) -> tuple[tuple[int, float], ...]:
+    """{token id (an int, or its digits as OpenAI's JSON keys are): bias in [-100, 100]} as sorted pairs."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, Mapping):
+        raise InputError(f"logit_bias must be a dict {{token id: bias}}, got {type(logit_bias).__name__}")
+    pairs = {}
+    for key, bias in logit_bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InputError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if not _real(bias) or not -100 <= bias <= 100:
+            raise InputError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key!r}")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _real(value) -> bool:
@@ -67,11 +130,16 @@ def _stops(stop) -> tuple[str, ...]:
 
 
 class Sampler:
-    """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator."""
+    """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator, after the
+    request's logits processors (min_new_tokens, bias, penalties over `prompt_ids` and the reply).
 
-    def __init__(self, params: SamplingParams, device: torch.device, eos_ids=frozenset()):
+    `sampler(logits, generated)` is `adjust`, `pick`, `accept` in one; a caller that needs the
+    processed logits (logprobs, a constraint check) runs the three itself."""
+
+    def __init__(self, params: SamplingParams, device: torch.device, eos_ids=frozenset(), prompt_ids=()):
         self.params = params
         self.eos_ids = sorted(eos_ids)
+        self.penalties = Penalties(params, prompt_ids) if params.adjusts_logits else None
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator(device=device)
@@ -82,10 +150,27 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, generated: int = 0) -> int:
         """The next token from logits [vocab] (fp32), `generated` tokens into the reply."""
-        p = self.params
-        if generated < p.min_new_tokens and self.eos_ids:
+        token = self.pick(self.adjust(logits, generated))
+        self.accept(token)
+        return token
+
+    def adjust(self, logits: torch.Tensor, generated: int = 0) -> torch.Tensor:
+        """The logits after the processors (a new tensor where any applies; the input is not changed)."""
+        if generated < self.params.min_new_tokens and self.eos_ids:
             logits = logits.clone()
             logits[self.eos_ids] = float("-inf")
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
+        return logits
+
+    def accept(self, token: int) -> None:
+        """`token` joins the reply (the penalties count it)."""
+        if self.penalties is not None:
+            self.penalties.accept(token)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """Greedy, or a draw after temperature, top-k and top-p, from processed logits [vocab]."""
+        p = self.params
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature
