@@ -152,3 +152,30 @@ def test_llama_index_query_engine_through_the_remote_backend(server):
     assert telemetry["llm_calls"] == 1 and telemetry["document_tokens"] > 50
     again = asyncio.run(engine.aquery(QUESTIONS[0]))
     assert again.metadata["kvboost"]["document_reuse"] > 0.9
+
+
+def test_llama_index_tools_and_structured_output_go_to_the_server(server):
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from pydantic import BaseModel
+
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    class City(BaseModel):
+        name: str
+        population: int
+
+    llm = KVBoost(endpoint=server.url)
+    tool = FunctionTool.from_defaults(fn=weather)
+    response = llm.chat_with_tools([tool], user_msg="Weather in Paris?", tool_required=True)
+    sent = server.requests[-1]
+    assert sent["tools"][0]["function"]["name"] == "weather" and sent["tool_choice"] == "required"
+    calls = llm.get_tool_calls_from_response(response)
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("weather", {"city": "Paris"})]
+    assert str(llm.predict_and_call([tool], "Weather in Paris?", tool_required=True)) == "sunny in Paris"
+    city = llm.structured_predict(City, PromptTemplate("Which city is {q}?"), q="the capital of France")
+    assert city == City(name="Paris", population=42)
+    assert server.requests[-1]["response_format"]["json_schema"]["schema"]["required"] == ["name", "population"]
+    assert asyncio.run(llm.astructured_predict(City, PromptTemplate("Which city?"))) == city

@@ -50,8 +50,15 @@ def test_remembered_order_depends_on_what_precedes_the_documents():
     assert documents_sent(layout.lay_out(other), ["A doc", "B doc"]) == ["B doc", "A doc"]
 
 
+def test_the_default_layout_sends_the_text_as_given():
+    messages = [{"role": "system", "content": "You are a helpful assistant. Today is 2026-12-01. Our support line is "
+                 "1800123456."}, {"role": "user", "content": "Hi"}]
+    prompt = PromptLayout().lay_out(messages)
+    assert prompt.messages == messages and prompt.moved_volatile == []
+
+
 def test_volatile_sentences_leave_the_system_prompt_for_the_last_message():
-    layout = PromptLayout()
+    layout = PromptLayout(LayoutOptions(volatile="last"))
     messages = [{"role": "system", "content": "You are helpful. Today is 2026-11-30 13:05.\nRequest id "
                  "3f2b1c9e-8a7d-4e6f-9b0a-1c2d3e4f5a6b\nBe brief."},
                 {"role": "user", "content": "Hi"}]
@@ -59,6 +66,7 @@ def test_volatile_sentences_leave_the_system_prompt_for_the_last_message():
     assert prompt.messages[0]["content"] == "You are helpful.\nBe brief."
     assert prompt.messages[1]["content"] == ("Today is 2026-11-30 13:05.\nRequest id "
                                              "3f2b1c9e-8a7d-4e6f-9b0a-1c2d3e4f5a6b\n\nHi")
+    assert prompt.moved_volatile == ["Today is 2026-11-30 13:05.", "Request id 3f2b1c9e-8a7d-4e6f-9b0a-1c2d3e4f5a6b"]
     # the next request, at another time, has the same prefix and the same route key
     later = layout.lay_out([{**messages[0], "content": messages[0]["content"].replace("13:05", "13:09")},
                             messages[1]])
@@ -67,9 +75,22 @@ def test_volatile_sentences_leave_the_system_prompt_for_the_last_message():
     assert kept.messages[0]["content"] == messages[0]["content"]
 
 
+def test_volatile_sentences_go_to_the_last_user_message_never_to_a_tool_or_assistant_one():
+    layout = PromptLayout(LayoutOptions(volatile="last"))
+    messages = [{"role": "system", "content": "Be brief. Now: 2026-11-30T10:00:00Z"},
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    wire = layout.lay_out(messages).messages
+    assert wire[1]["content"] == "Now: 2026-11-30T10:00:00Z\n\nWeather?" and wire[3]["content"] == "sunny"
+    no_user = [messages[0], {"role": "assistant", "content": "Hello."}]
+    assert layout.lay_out(no_user).messages == no_user                    # nowhere to go: left alone
+
+
 def test_volatile_text_goes_before_the_question_after_the_documents():
     messages = [{"role": "system", "content": "Now: 2026-11-30T10:00:00Z"}, rag(["A doc"], "Q?")[1]]
-    prompt = PromptLayout().lay_out(messages)
+    prompt = PromptLayout(LayoutOptions(volatile="last")).lay_out(messages)
     assert [m["role"] for m in prompt.messages] == ["user"]          # the emptied system message is gone
     assert prompt.messages[0]["content"] == "A doc\n\nNow: 2026-11-30T10:00:00Z\n\nQ?"
 

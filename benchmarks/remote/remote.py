@@ -28,6 +28,10 @@ from kvboost_integrations.remote import RemoteEngine
 from kvboost_tools.servers import start_llama_server, start_vllm
 
 from . import workloads
+
+# Our layout as measured: with the opt-in that moves volatile sentences (dates, times, ids) out of the
+# system prompt (the default, volatile="keep", sends the text as given, as ChatOpenAI does).
+OURS = {"volatile": "last"}
 from .measure import Counters, run_interleaved, summary
 from .report import markdown
 
@@ -76,7 +80,8 @@ def single_server(url: str, model: str, settings: dict, run_id: str) -> dict:
     """Ours against ChatOpenAI on one server, for chat, chat with a clock line, and RAG."""
     results = {}
     for workload in ("chat", "chat-clock", "rag"):
-        systems = {"ours": (ChatKVBoost(endpoint=url, served_model=model, max_tokens=settings["max_tokens"]), "ours"),
+        systems = {"ours": (ChatKVBoost(endpoint=url, served_model=model, max_tokens=settings["max_tokens"],
+                                        engine_kwargs=OURS), "ours"),
                    "ChatOpenAI": (ChatOpenAI(base_url=url, api_key="none", model=model, temperature=0,
                                              max_tokens=settings["max_tokens"], stream_usage=True, max_retries=0),
                                   "peer")}
@@ -90,7 +95,7 @@ def two_replicas(urls: list[str], model: str, settings: dict, run_id: str) -> di
     results = {}
     for workload in ("chat", "chat-docs", "rag"):
         systems = {policy: (ChatKVBoost(endpoint=urls, served_model=model, max_tokens=settings["max_tokens"],
-                                        engine_kwargs={"routing": policy}), "ours")
+                                        engine_kwargs={**OURS, "routing": policy}), "ours")
                    for policy in ("cache", "round_robin")}
         results[workload] = phase(systems, workload, settings, f"run {run_id} routed", urls,
                                   settings["routed_conversations"])

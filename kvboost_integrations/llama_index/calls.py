@@ -12,11 +12,12 @@ from contextlib import aclosing, closing
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse, MessageRole, TextBlock,
                                               ToolCallBlock)
 
-from kvboost_engine import Engine, Generation, GenerationStream
-from kvboost_engine.constrained import Grammar
+from kvboost_engine import Engine, Generation, GenerationStream, InputError
+from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream, document_reuse, generation_metadata
 from .._toolcalls import ToolCallSplitter, ToolFormat, add_tool_prompt, forced_tools, tool_format
+from ..remote import is_remote
 from .messages import to_engine_messages
 
 
@@ -50,6 +51,8 @@ class EngineCall:
     def start(self) -> GenerationStream:
         engine = self._get_engine()
         self._model_name = engine.model_name
+        if is_remote(engine):
+            return self._start_remote(engine)
         params = dict(self.params)
         if self.grammar is not None:
             params["constraint"] = self.grammar
@@ -72,6 +75,22 @@ class EngineCall:
                 messages, self._documents_from_cache = engine.order_documents(messages)
             self._layout = engine.encode_messages(messages, **template_kwargs)
         return engine.stream_chat(messages, template_kwargs=template_kwargs or None, **_without_stop(params))
+
+    def _start_remote(self, engine) -> GenerationStream:
+        """Over an endpoint the server applies its template, parses tool calls (its tool parser) and
+        guides JSON (`response_format`): tools and a JSON grammar go to it as they are."""
+        if self.chat is None:
+            if self.grammar is not None:
+                raise InputError("over an endpoint, constrained output needs chat messages (a response_format)")
+            return engine.stream(self.prompt, **self.params)
+        messages = to_engine_messages(self.chat, native_tools=True)
+        if _has_documents(messages):
+            if self.document_order == "cache":
+                messages, self._documents_from_cache = engine.order_documents(messages)
+            self._layout = engine.encode_messages(messages)
+        return engine.stream_chat(messages, template_kwargs=self.template_kwargs or None, tools=self.tools or None,
+                                  tool_choice=self.tool_choice, response_format=_response_format(self.grammar),
+                                  **self.params)
 
     def telemetry(self, gen: Generation) -> dict:
         """Our telemetry for one finished request, plus document reuse when it had documents."""
@@ -114,6 +133,8 @@ class ResponseShaper:
         blocks = [TextBlock(text=text)]
         if isinstance(item, Generation) and self._splitter is not None:
             blocks += [_call_block(call) for call in self._calls]
+        elif isinstance(item, Generation):      # calls a server parsed (over an endpoint)
+            blocks += [_call_block({**call, "args": call["arguments"]}) for call in getattr(item, "tool_calls", ())]
         message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
         return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
@@ -144,6 +165,18 @@ def _call_block(call: dict) -> ToolCallBlock:
     except json.JSONDecodeError:
         args = call["args"]                 # unreadable (the model's own malformed call): kept as text
     return ToolCallBlock(tool_call_id=call["id"], tool_name=call["name"] or "", tool_kwargs=args)
+
+
+def _response_format(grammar: Grammar | None) -> dict | None:
+    """A grammar as a server's response_format: JSON schemas and any-JSON only."""
+    if grammar is None:
+        return None
+    if isinstance(grammar, JsonSchema):
+        return grammar.schema
+    if isinstance(grammar, AnyJson):
+        return {"type": "json_object"}
+    raise InputError(f"over an endpoint the server guides JSON only (its response_format); a {grammar.describe()} "
+                     "constraint cannot be sent")
 
 
 def _without_stop(params: dict) -> dict:

@@ -3,7 +3,8 @@
 `ChatKVBoost(endpoint=...)`, `KVBoostLLM(endpoint=...)` and LlamaIndex `KVBoost(endpoint=...)`
 resolve a `RemoteEngine` instead of loading a model; everything else stays the same. Modules:
 layout (cache-friendly prompts), routing (consistent hashing with bounded loads, failover),
-client (the `openai` client), generation (the result), telemetry (/metrics), tokens (counting).
+client (the `openai` client, timeouts), dispatch (failover), errors, generation (the result),
+telemetry (/metrics), tokens (counting).
 
 Needs the extra: `pip install "kvboost-integrations[remote]"`.
 """
@@ -14,7 +15,7 @@ import difflib
 from kvboost_engine import InputError
 
 from .client import Replica
-from .dispatch import ReplicaUnavailableError
+from .errors import BadReplyError, ReplicaError, ReplicaUnavailableError, ReplyInterruptedError
 from .engine import REMOTE_OPTIONS, RemoteEngine, RemotePrompt
 from .generation import RemoteGeneration
 from .layout import DOCUMENT_ORDERS, VOLATILE_PATTERNS, LayoutOptions, PromptLayout
@@ -22,6 +23,7 @@ from .routing import POLICIES, HashRing, Router
 from .telemetry import format_report, parse_metrics, prefix_counters
 
 __all__ = ["RemoteEngine", "Replica", "RemoteGeneration", "RemotePrompt", "ReplicaUnavailableError", "connect",
+           "ReplicaError", "ReplyInterruptedError", "BadReplyError",
            "REMOTE_OPTIONS", "LayoutOptions", "PromptLayout", "DOCUMENT_ORDERS", "VOLATILE_PATTERNS", "Router",
            "HashRing", "POLICIES", "format_report", "parse_metrics", "prefix_counters", "is_remote"]
 
@@ -30,7 +32,8 @@ def connect(endpoint: str | list[str], *, api_key: str | None = None, served_mod
             timeout: float | None = None, max_retries: int = 0, options: dict | None = None,
             document_order: str | None = None) -> RemoteEngine:
     """A RemoteEngine for a framework class: `options` (its `engine_kwargs`) checked by name;
-    `document_order` (the class's field, when set) unless the options name one."""
+    `document_order` (the class's field, when set) unless the options name one. `timeout` (the
+    class's overall one) caps the connect and read timeouts (`connect_timeout_s`, `read_timeout_s`)."""
     options = dict(options or {})
     if document_order is not None:
         options.setdefault("document_order", document_order)

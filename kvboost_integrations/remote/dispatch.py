@@ -1,10 +1,17 @@
-"""Sending one request: the replicas in the router's order until one answers, then its stream.
+"""Sending one request: the replicas in the router's order until one gives a complete reply.
 
 `Dispatcher.run` (sync generator: text deltas, returns the RemoteGeneration) and `arun` (async
-generator: text deltas, then the RemoteGeneration) share everything but the awaits. Before the
-first response arrives, a replica that is unreachable, times out or answers 5xx/429 is marked
-down and the next candidate is tried; a bad request (4xx) is raised at once. Once text has been
-streamed, an error is raised as is (a reply cannot be resumed on another replica).
+generator: text deltas, then the RemoteGeneration) share everything but the awaits. The rules:
+
+- a reply is complete only when a chunk carries its finish_reason; a stream that ends without
+  one is a failure, never a shorter answer;
+- until the first text delta has been handed to the caller, a replica failure (unreachable,
+  timed out, 5xx/429, a dropped stream, a malformed chunk, a body that is not JSON; its
+  /metrics call included) marks the replica down and the next candidate is tried; if none
+  answers, `ReplicaUnavailableError` says what happened at each;
+- after it, the failure marks the replica down and raises `ReplyInterruptedError` naming the
+  replica (a reply cannot be resumed on another one);
+- a bad request (another 4xx) is raised at once; a replica that answers is marked up.
 """
 from __future__ import annotations
 
@@ -12,28 +19,27 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvboost_engine import KVBoostError
-
-from .client import Replica, is_replica_failure
+from .client import Replica, describe_failure, is_replica_failure
+from .errors import ReplicaUnavailableError, ReplyInterruptedError
 from .generation import RemoteGeneration, ReplyState
 from .routing import Router
 from .telemetry import CacheReport
 
-
-class ReplicaUnavailableError(KVBoostError, ConnectionError):
-    """No replica answered a request (each was unreachable, timed out or failed)."""
+__all__ = ["Dispatcher", "ReplicaUnavailableError"]
 
 
 @dataclass
-class _Attempt:
-    name: str
-    replica: Replica
-    stream: object
-    failed: list[str]
-    started: float
-    counters_before: object = None
+class _Request:
+    """One request across its attempts: when it started, which replicas failed and how."""
+
+    started: float = field(default_factory=time.perf_counter)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def unavailable(self) -> ReplicaUnavailableError:
+        what = "; ".join(f"{name}: {error}" for name, error in self.errors.items())
+        return ReplicaUnavailableError(f"no replica answered: {what}", errors=self.errors)
 
 
 class Dispatcher:
@@ -46,107 +52,108 @@ class Dispatcher:
 
     def run(self, key: int, kind: str, body: dict, cancel: threading.Event) -> Generator[str, None, RemoteGeneration]:
         """Stream a "chat" or "completion" request routed by `key`; stops early once `cancel` is set."""
-        attempt = self._open(key, kind, body)
-        reply = ReplyState(attempt.started)
-        feed = reply.feed_chat if kind == "chat" else reply.feed_completion
-        cancelled = False
-        try:
-            with attempt.stream as chunks:
-                for chunk in chunks:
-                    delta = feed(chunk)
-                    if delta:
-                        yield delta
-                    if cancel.is_set():
-                        cancelled = True
-                        break
-        finally:
-            self.router.end(attempt.name)
-        after = attempt.replica.prefix_counters() if attempt.counters_before is not None else None
-        return self._finish(attempt, reply, body["model"], cancelled, after)
+        request = _Request()
+        for name in self.router.candidates(key):
+            if cancel.is_set():
+                return RemoteGeneration(finish_reason="cancelled", failovers=list(request.errors))
+            replica, reply, cancelled = self.replicas[name], ReplyState(request.started), False
+            self.router.begin(name)
+            try:
+                before = self._counters_before(replica)
+                with _create(replica.client, kind, body) as chunks:
+                    for chunk in chunks:
+                        delta = reply.feed(kind, chunk)
+                        if delta:
+                            yield delta
+                        if cancel.is_set():
+                            cancelled = True
+                            break
+                if not cancelled:
+                    reply.check_complete()
+            except Exception as err:
+                self._attempt_failed(name, err, reply, request)
+                continue
+            finally:
+                self.router.end(name)
+            after = replica.prefix_counters() if before is not None else None
+            return self._finish(name, reply, request, body["model"], cancelled, (before, after))
+        raise request.unavailable()
 
     async def arun(self, key: int, kind: str, body: dict) -> AsyncIterator[str | RemoteGeneration]:
         """`run` through the async client: text deltas, then the RemoteGeneration."""
-        attempt = await self._aopen(key, kind, body)
-        reply = ReplyState(attempt.started)
-        feed = reply.feed_chat if kind == "chat" else reply.feed_completion
-        try:
-            async with attempt.stream as chunks:
-                async for chunk in chunks:
-                    delta = feed(chunk)
-                    if delta:
-                        yield delta
-        finally:
-            self.router.end(attempt.name)
-        after = None
-        if attempt.counters_before is not None:
-            after = await asyncio.to_thread(attempt.replica.prefix_counters)
-        yield self._finish(attempt, reply, body["model"], False, after)
-
-    def _open(self, key: int, kind: str, body: dict) -> _Attempt:
-        started = None          # TTFT counts failed attempts, not the first telemetry baseline
-        failed, errors = [], []
+        request = _Request()
         for name in self.router.candidates(key):
-            replica = self.replicas[name]
-            before = self._counters_before(replica)
-            started = started or time.perf_counter()
+            replica, reply = self.replicas[name], ReplyState(request.started)
             self.router.begin(name)
             try:
-                client = replica.client
-                create = client.chat.completions.create if kind == "chat" else client.completions.create
-                return _Attempt(name, replica, create(**body), failed, started, before)
+                before = await asyncio.to_thread(self._counters_before, replica)
+                async with await _create(replica.aclient, kind, body) as chunks:
+                    async for chunk in chunks:
+                        delta = reply.feed(kind, chunk)
+                        if delta:
+                            yield delta
+                reply.check_complete()
             except Exception as err:
+                self._attempt_failed(name, err, reply, request)
+                continue
+            finally:
                 self.router.end(name)
-                self._failed(name, err, failed, errors)
-        raise ReplicaUnavailableError("no replica answered: " + "; ".join(errors))
-
-    async def _aopen(self, key: int, kind: str, body: dict) -> _Attempt:
-        started = None
-        failed, errors = [], []
-        for name in self.router.candidates(key):
-            replica = self.replicas[name]
-            before = await asyncio.to_thread(self._counters_before, replica)
-            started = started or time.perf_counter()
-            self.router.begin(name)
-            try:
-                client = replica.aclient
-                create = client.chat.completions.create if kind == "chat" else client.completions.create
-                return _Attempt(name, replica, await create(**body), failed, started, before)
-            except Exception as err:
-                self.router.end(name)
-                self._failed(name, err, failed, errors)
-        raise ReplicaUnavailableError("no replica answered: " + "; ".join(errors))
+            after = await asyncio.to_thread(replica.prefix_counters) if before is not None else None
+            yield self._finish(name, reply, request, body["model"], False, (before, after))
+            return
+        raise request.unavailable()
 
     def any_replica(self, call):
         """`call(replica)` on the first replica that answers (for lookups any replica can do)."""
-        failed, errors = [], []
+        request = _Request()
         for name in self.router.candidates(0):
             try:
-                return call(self.replicas[name])
+                result = call(self.replicas[name])
             except Exception as err:
-                self._failed(name, err, failed, errors)
-        raise ReplicaUnavailableError("no replica answered: " + "; ".join(errors))
+                self._attempt_failed(name, err, ReplyState(request.started), request)
+                continue
+            self.router.mark_up(name)
+            return result
+        raise request.unavailable()
 
     def _counters_before(self, replica: Replica):
-        """Take the report's baseline on first use; per-request counters if usage lacks cached tokens."""
+        """Take the report's baseline on first use; per-request counters if usage lacks cached tokens.
+        A replica that cannot be reached or times out here fails the attempt (strict)."""
         if self.report.needs_baseline(replica.url):
-            self.report.set_baseline(replica.url, replica.prefix_counters())
-        return replica.prefix_counters() if replica.reports_cached_tokens is False else None
+            self.report.set_baseline(replica.url, replica.prefix_counters(strict=True))
+        return replica.prefix_counters(strict=True) if replica.reports_cached_tokens is False else None
 
-    def _failed(self, name: str, err: Exception, failed: list[str], errors: list[str]) -> None:
+    def _attempt_failed(self, name: str, err: Exception, reply: ReplyState, request: _Request) -> None:
+        """Mark a failing replica down and note why; raise what the caller must see: a bad request
+        as it is, a failure after text reached the caller as ReplyInterruptedError."""
         if not is_replica_failure(err):
             raise err
         self.router.mark_down(name)
         self.report.failed(name)
-        failed.append(name)
-        errors.append(f"{name}: {type(err).__name__}: {err}")
+        what = describe_failure(err, self.replicas[name])
+        if reply.delivered:
+            raise ReplyInterruptedError(
+                f"replica {name} failed after {reply.received_chars} characters of its reply had reached the caller: "
+                f"{what}. The reply is incomplete (it cannot be resumed on another replica); the replica is marked "
+                f"down for cooldown_s={self.router.cooldown_s:g} s", replica=name,
+                received_chars=reply.received_chars) from err
+        request.errors[name] = what
 
-    def _finish(self, attempt: _Attempt, reply: ReplyState, model: str, cancelled: bool, after) -> RemoteGeneration:
-        if reply.usage is not None and attempt.replica.reports_cached_tokens is None:
-            attempt.replica.reports_cached_tokens = reply.cached_tokens() is not None
-        metrics_cached = None
-        if after is not None and attempt.counters_before is not None:
-            metrics_cached = int((after - attempt.counters_before).hits)
-        gen = reply.generation(replica=attempt.name, model=model, cancelled=cancelled,
-                               failovers=attempt.failed, metrics_cached=metrics_cached)
-        self.report.add(attempt.name, gen.prompt_tokens, gen.server.get("cached_tokens"), gen.ttft_s)
+    def _finish(self, name: str, reply: ReplyState, request: _Request, model: str, cancelled: bool,
+                counters: tuple) -> RemoteGeneration:
+        replica = self.replicas[name]
+        self.router.mark_up(name)
+        if reply.usage is not None and replica.reports_cached_tokens is None:
+            replica.reports_cached_tokens = reply.cached_tokens() is not None
+        before, after = counters
+        metrics_cached = int((after - before).hits) if before is not None and after is not None else None
+        gen = reply.generation(replica=name, model=model, cancelled=cancelled,
+                               failovers=list(request.errors), metrics_cached=metrics_cached)
+        self.report.add(name, gen.prompt_tokens, gen.server.get("cached_tokens"), gen.ttft_s)
         return gen
+
+
+def _create(client, kind: str, body: dict):
+    """The streamed request on a sync or async client (a coroutine for the async one)."""
+    create = client.chat.completions.create if kind == "chat" else client.completions.create
+    return create(**body)

@@ -5,8 +5,10 @@ A request is laid out for the servers' prefix caches (layout.py), routed to the 
 likely to hold its prefix (routing.py), streamed through the `openai` client (client.py) and
 returned as a `GenerationStream` of text deltas ending in a `RemoteGeneration` with usage,
 the server's cached-token count, TTFT and the replica that answered (generation.py). A replica
-that is down or failing is marked and the request goes to the next one; if none answers,
-`ReplicaUnavailableError` names each replica's error.
+that is down or failing before the first token reaches the caller is marked and the request goes
+to the next one; if none answers, `ReplicaUnavailableError` names each replica's error; a failure
+after it raises `ReplyInterruptedError` (dispatch.py). The prompt text is sent exactly as given
+unless `volatile="last"` is asked for.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvboost_engine import GenerationStream, InputError
 
-from .client import Replica, ServerInfo, chat_body, completion_body
+from .client import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Replica, ServerInfo, chat_body, completion_body
 from .dispatch import Dispatcher
 from .generation import RemoteGeneration
 from .layout import VOLATILE_PATTERNS, LayoutOptions, PromptLayout, route_key_of_text
@@ -26,8 +28,9 @@ from .telemetry import CacheReport, format_report
 from .tokens import ServerTokenizer, count_chat_local, encode_local
 
 # Options of RemoteEngine beyond the endpoint, key and model (what `engine_kwargs` may hold).
-REMOTE_OPTIONS = ("routing", "load_factor", "cooldown_s", "document_order", "volatile", "volatile_patterns",
-                  "blend_separator", "remembered_sequences", "tokenizer", "context_window")
+REMOTE_OPTIONS = ("routing", "load_factor", "cooldown_s", "connect_timeout_s", "read_timeout_s", "document_order",
+                  "volatile", "volatile_patterns", "blend_separator", "remembered_sequences", "tokenizer",
+                  "context_window")
 TEMPLATE_GLUE_TOKENS = 4    # tokens a chat template adds per message (ChatML: 5); positions are estimates
 
 
@@ -51,21 +54,26 @@ class RemoteEngine:
 
     endpoints: one URL or a list (replicas serving the same model). served_model: the model
     name to request (None: the first one the server lists). routing: "cache" (consistent
-    hashing of the leading segments, bounded loads) or "round_robin". document_order: "cache"
-    (documents that follow a sequence sent before are put in its order) or "relevance" (as
-    given). volatile: "last" (timestamp/id lines leave system messages for the last message)
-    or "keep". blend_separator: LMCache CacheBlend's separator, put around documents.
+    hashing of the leading segments, bounded loads) or "round_robin". connect_timeout_s (5) and
+    read_timeout_s (30: for the response to start and between chunks; /metrics too): past them
+    the replica counts as failed; `timeout` (the classes' overall one) caps both. document_order:
+    "cache" (documents that follow a sequence sent before are put in its order) or "relevance"
+    (as given). volatile: "keep" (default: the text as given) or "last" (opt-in: sentences with
+    dates, times and ids leave system messages for the last user message, listed in the reply's
+    `volatile_moved`). blend_separator: LMCache CacheBlend's separator, put around documents.
     tokenizer: an HF tokenizer or model directory for local token counts (None: the server's).
     """
 
     def __init__(self, endpoints: str | list[str], *, api_key: str | None = None, served_model: str | None = None,
                  timeout: float | None = None, max_retries: int = 0, routing: str = "cache",
-                 load_factor: float = 1.25, cooldown_s: float = 10.0, document_order: str = "cache",
-                 volatile: str = "last", volatile_patterns: tuple[str, ...] = VOLATILE_PATTERNS,
+                 load_factor: float = 1.25, cooldown_s: float = 10.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 read_timeout_s: float = READ_TIMEOUT_S, document_order: str = "cache",
+                 volatile: str = "keep", volatile_patterns: tuple[str, ...] = VOLATILE_PATTERNS,
                  blend_separator: str | None = None, remembered_sequences: int = 4096, tokenizer=None,
                  context_window: int | None = None):
         endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints or [])
-        replicas = [Replica(e, api_key=api_key, timeout=timeout, max_retries=max_retries) for e in endpoints]
+        replicas = [Replica(e, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                            connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s) for e in endpoints]
         self.replicas = {replica.url: replica for replica in replicas}
         self.router = Router([r.url for r in replicas], policy=routing, load_factor=load_factor,
                              cooldown_s=cooldown_s)
@@ -166,7 +174,7 @@ class RemoteEngine:
         extras = dict(tools=tools, tool_choice=tool_choice, response_format=response_format,
                       template_kwargs=template_kwargs)
         return self._stream(prompt.route_key, "chat", lambda: chat_body(self.model_name, prompt.messages, params,
-                                                                        **extras))
+                                                                        **extras), self._moved(prompt))
 
     def chat(self, messages, **params) -> RemoteGeneration:
         return self.stream_chat(messages, **params).collect()
@@ -181,15 +189,21 @@ class RemoteEngine:
     def generate(self, prompt: str, **params) -> RemoteGeneration:
         return self.stream(prompt, **params).collect()
 
-    def _stream(self, key: int, kind: str, make_body) -> GenerationStream:
+    def _stream(self, key: int, kind: str, make_body, moved: list[str] | None = None) -> GenerationStream:
         """A GenerationStream over the dispatcher; the body (and the model name) made on first next()."""
         cancel = threading.Event()
 
         def run():
             if cancel.is_set():         # closed before its first delta was asked for: send nothing
                 return RemoteGeneration(finish_reason="cancelled")
-            return (yield from self.dispatch.run(key, kind, make_body(), cancel))
+            gen = yield from self.dispatch.run(key, kind, make_body(), cancel)
+            gen.volatile_moved = moved
+            return gen
         return GenerationStream(run(), cancel)
+
+    def _moved(self, prompt) -> list[str] | None:
+        """The sentences the layout moved (a list with the opt-in volatile="last", else None)."""
+        return list(prompt.moved_volatile) if self.layout.options.volatile == "last" else None
 
     # ---- async ---------------------------------------------------------------------------------
     async def astream_chat(self, messages, *, template_kwargs: dict | None = None, tools: list[dict] | None = None,
@@ -201,6 +215,8 @@ class RemoteEngine:
         body = chat_body(model, prompt.messages, params, tools=tools, tool_choice=tool_choice,
                          response_format=response_format, template_kwargs=template_kwargs)
         async for item in self.dispatch.arun(prompt.route_key, "chat", body):
+            if isinstance(item, RemoteGeneration):
+                item.volatile_moved = self._moved(prompt)
             yield item
 
     async def astream(self, prompt: str, **params) -> AsyncIterator[str | RemoteGeneration]:
@@ -215,8 +231,9 @@ class RemoteEngine:
     def cache_report(self) -> dict:
         """Per replica and in total: requests, prompt and cached tokens, hit rate, mean TTFT, and
         the server's own prefix-cache counters since this engine's first request to it."""
+        down = {name for name, state in self.router.state().items() if state["down"]}
         current = {name: replica.prefix_counters() for name, replica in self.replicas.items()
-                   if not self.report.needs_baseline(name)}
+                   if not self.report.needs_baseline(name) and name not in down}
         report = self.report.snapshot(current)
         report["routing"] = {"policy": self.router.policy, "replicas": self.router.state()}
         return report
@@ -229,11 +246,23 @@ class RemoteEngine:
         return self.cache_report()
 
     def close(self) -> None:
+        """Close every replica's clients, the async ones included (see `aclose` inside a loop)."""
         for replica in self.replicas.values():
             replica.close()
+
+    async def aclose(self) -> None:
+        """`close` from async code: the async clients of the running loop are closed before it returns."""
+        for replica in self.replicas.values():
+            await replica.aclose()
 
     def __enter__(self) -> "RemoteEngine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    async def __aenter__(self) -> "RemoteEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

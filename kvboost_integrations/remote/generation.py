@@ -4,7 +4,12 @@
 engine's): `reused_tokens` are the prompt tokens the server's prefix cache served (exact-prefix
 reuse, so they count as `reused_exact`), `ttft_s` is measured here from the call to the first
 delta. It adds what only a remote call has: the replica that answered, the replicas that failed
-before it, the tool calls the server parsed, and the server's own figures (`server`).
+before it, the tool calls the server parsed, the server's own figures (`server`), and the
+sentences the layout moved (`volatile_moved`, only with the opt-in `volatile="last"`).
+
+`ReplyState` takes the stream's chunks; a reply is complete only once a chunk carries its
+`finish_reason` (`check_complete`), and a chunk that is not a chat/completion chunk is a
+`BadReplyError`: neither ever becomes a shorter answer.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvboost_engine import Generation
+
+from .errors import BadReplyError
 
 
 @dataclass(slots=True)
@@ -26,6 +33,7 @@ class RemoteGeneration(Generation):
     tool_calls: list[dict] = field(default_factory=list)
     failovers: list[str] = field(default_factory=list)
     server: dict = field(default_factory=dict)
+    volatile_moved: list[str] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -38,6 +46,8 @@ class RemoteGeneration(Generation):
                     server_cache_source=self.server.get("source"))
         if "timings" in self.server:
             data["server_timings"] = self.server["timings"]
+        if self.volatile_moved is not None:
+            data["volatile_moved"] = list(self.volatile_moved)
         return data
 
 
@@ -52,6 +62,27 @@ class ReplyState:
         self.finish_reason: str | None = None
         self.usage = None
         self.timings: dict | None = None
+
+    @property
+    def delivered(self) -> bool:
+        """Whether text of this reply has been handed on (it can no longer move to another replica)."""
+        return bool(self.parts)
+
+    @property
+    def received_chars(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def feed(self, kind: str, chunk) -> str:
+        """Take one chunk of a "chat" or "completion" stream; return its text delta ("" if none)."""
+        if not isinstance(getattr(chunk, "choices", None), list):
+            raise BadReplyError(f"a stream chunk without a choices list: {str(chunk)[:120]!r}")
+        return self.feed_chat(chunk) if kind == "chat" else self.feed_completion(chunk)
+
+    def check_complete(self) -> None:
+        """BadReplyError unless a chunk carried the reply's finish_reason (the server said it is done)."""
+        if self.finish_reason is None:
+            raise BadReplyError(f"the stream ended without a finish_reason after {self.received_chars} characters "
+                                "(an incomplete reply)")
 
     def feed_chat(self, chunk) -> str:
         """Take one chat.completion.chunk; return its text delta ("" if none)."""

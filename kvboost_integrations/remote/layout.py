@@ -3,9 +3,11 @@
 A serving engine (vLLM, llama.cpp's server) reuses the KV of the longest prefix it has seen
 before, token for token. So the layout:
 
-- keeps stable text first: system prompts and history as they are, with volatile lines
-  (timestamps, dates, UUIDs, long hex ids) moved out of system messages to the end of the
-  last message, where they no longer spoil the prefix of everything after them;
+- keeps stable text first: system prompts and history as they are. The text itself is sent as
+  given by default (`volatile="keep"`); the opt-in `volatile="last"` moves volatile sentences
+  (timestamps, dates, UUIDs, long hex ids) out of system messages into the last user message,
+  before its question, where they no longer spoil the prefix of everything after them (the
+  model then reads another prompt than the one written: the reply's `volatile_moved` lists them);
 - orders documents cache-first (`document_order="cache"`): the documents of a request that
   follow a sequence already sent after the same text are put in that sequence's order, the rest
   after them in the order given (relevance); `"relevance"` keeps the given order everywhere;
@@ -45,7 +47,7 @@ class LayoutOptions:
     """How prompts are laid out; see the module docstring."""
 
     document_order: str = "cache"
-    volatile: str = "last"
+    volatile: str = "keep"
     volatile_patterns: tuple[str, ...] = VOLATILE_PATTERNS
     blend_separator: str | None = None
     remembered_sequences: int = 4096
@@ -136,13 +138,18 @@ class PromptLayout:
         return out, placed
 
     def _move_volatile(self, messages: list[dict]) -> tuple[list[dict], list[str]]:
-        """System messages without their volatile lines; those lines open the last message."""
-        if self.options.volatile == "keep" or self._volatile is None:
+        """With volatile="last": the system messages before the last user message without their
+        volatile sentences; those go into that user message, before its question (never into an
+        assistant or tool message). With "keep", or no user message, the messages as given."""
+        target = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if self.options.volatile == "keep" or self._volatile is None or target is None:
             return messages, []
         moved: list[str] = []
         out = []
         for position, message in enumerate(messages):
-            if message["role"] != "system" or position == len(messages) - 1:
+            if position == target:
+                sent_at = len(out)          # its index once emptied system messages are dropped
+            if message["role"] != "system" or position > target:
                 out.append(message)
                 continue
             content, lines = _strip_lines(message["content"], self._volatile)
@@ -150,7 +157,7 @@ class PromptLayout:
             if _parts(content) or not lines:
                 out.append({**message, "content": content})
         if moved:
-            out[-1] = {**out[-1], "content": _prepend_text(out[-1]["content"], "\n".join(moved))}
+            out[sent_at] = {**out[sent_at], "content": _prepend_text(out[sent_at]["content"], "\n".join(moved))}
         return out, moved
 
 

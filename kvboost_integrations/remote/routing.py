@@ -8,7 +8,8 @@ same prefix therefore keeps landing where its KV is cached, unless that replica 
 or down. `policy="round_robin"` is the baseline that scatters prefixes.
 
 `candidates` returns every replica, best first: the chosen one, the rest clockwise, replicas
-marked down (after a failure, for `cooldown_s`) last. The caller tries them in that order.
+marked down (after a failure, for `cooldown_s`) last, the one whose cooldown ends first first.
+The caller tries them in that order; a replica that answers is marked up again.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class Router:
             now = time.monotonic()
             order = self._ring.walk(key) if self.policy == "cache" else self._rotation()
             healthy = [name for name in order if self._down_until[name] <= now]
-            down = [name for name in order if name not in healthy]
+            down = sorted((name for name in order if name not in healthy), key=self._down_until.__getitem__)
             if self.policy == "cache" and healthy:
                 bound = math.ceil(self.load_factor * (sum(self._in_flight.values()) + 1) / len(healthy))
                 first = next((name for name in healthy if self._in_flight[name] < bound), healthy[0])
