@@ -25,6 +25,7 @@ from . import package_index
 from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 from .named_models import NamedModel, fetch_gguf, named_model
 from .model import compat
+from .model.building import building_model
 from .paths import build_lock, cache_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -192,7 +193,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     with _Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         stages.done("tokenizer read")
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with building_model():
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         stages.done("weights dequantized")
         # transformers marks GGUF-loaded models as quantized; the weights are plain floats now.
         if hasattr(model.config, "quantization_config"):
@@ -299,7 +301,9 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
         raise InputError(f"{', '.join(sorted(awq_options))}: layer streaming needs an AWQ checkpoint "
                          f"(quantization_config with quant_method 'awq'); {source} is not one")
     tokenizer = compat.load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype).to(device).eval()
+    with building_model():          # transformers' build swaps process-wide state (model/building.py)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+    model = model.to(device).eval()
     if fmt is not None:
         convert_model(model, fmt)
     return model, tokenizer

@@ -17,6 +17,7 @@ from torch import nn
 
 from ...paths import build_lock, cache_home
 from ...model import compat
+from ...model.building import building_model
 from ...model.arch import check_supported, decoder_layers, rebuild_rotary, tie_output_embeddings
 from ...errors import InputError, UnsupportedModelError
 from ..residency import LayerBinding, resident_layers_set
@@ -100,7 +101,7 @@ def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Mod
     from transformers import AutoModelForCausalLM
 
     plain = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
-    with torch.device("meta"):
+    with building_model(), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(plain, dtype=dtype)
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.qweight" in ckpt:
