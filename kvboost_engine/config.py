@@ -66,9 +66,12 @@ class EngineConfig:
     max_running: most requests decoding or prefilling at once in the engine's batch (continuous
         batching: every step is one forward over all of them).
     max_batch_tokens: most tokens one batch step computes (decode tokens plus prompt chunks);
-        None: prefill_chunk_tokens. Bounds how long a long prompt holds the others' decoding.
-    max_waiting, queue_timeout_s: requests waiting for KV room (beyond that, or after waiting that
-        long, a request gets a BudgetError; one that cannot fit the pool even alone is refused at once).
+        None: the larger of prefill_chunk_tokens and max_running (so a prompt being prefilled always
+        gets tokens next to max_running - 1 decoding requests). Bounds how long a long prompt holds
+        the others' decoding.
+    max_waiting, queue_timeout_s: requests waiting for a running slot or KV room beyond the free
+        slots (beyond max_waiting a request is refused with a BudgetError at once; after waiting
+        queue_timeout_s it gets one; one that cannot fit the pool even alone is refused at once).
     disk_kv_int8: store chunks on disk as int8 (per-channel keys, per-token values): about a
         quarter of fp32 on disk and to read; chunks read back are approximations (inexact).
     """

@@ -21,7 +21,7 @@ from .model.fingerprint import model_fingerprint
 from .model.forward import Forward
 from .model.rope import RopeMover
 from .weights.quantized import check_weights_format
-from .request.decode import Channel, EngineParts, Request, check_window, store
+from .request.decode import Channel, EngineParts, Request, check_timeout, check_window, store
 from .request.generation import Generation, GenerationStream
 from .request.openmp import release_thread_pool
 from .request.ordering import order_documents, order_segments
@@ -74,7 +74,7 @@ class Engine:
         self._grammars = GrammarCompiler(tokenizer, logits_size(model, tokenizer), self._parts.eos_ids)
         c = self.config
         self._scheduler = Scheduler(self._parts, max_running=c.max_running, max_waiting=c.max_waiting,
-                                    max_batch_tokens=c.max_batch_tokens or c.prefill_chunk_tokens,
+                                    max_batch_tokens=c.max_batch_tokens or max(c.prefill_chunk_tokens, c.max_running),
                                     queue_timeout_s=c.queue_timeout_s)
         self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
         self._counter_lock = threading.Lock()
@@ -125,7 +125,9 @@ class Engine:
         """Answer OpenAI-style `messages`; params: max_new_tokens, min_new_tokens, temperature, top_p,
         top_k, stop, seed, skip_special_tokens (default True: special tokens are not part of the
         text), constraint (a `constrained.Grammar` such as `JsonSchema(schema)`, compiled before any
-        decoding, or any `constrained.LogitsConstraint`; not together with stop strings)."""
+        decoding, or any `constrained.LogitsConstraint`; not together with stop strings), timeout_s
+        (None: no limit; else the request is cancelled and RequestTimeoutError raised when its result,
+        or its next delta when streaming, has not come that many seconds after the call)."""
         return self.stream_chat(messages, **params).collect()
 
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:
@@ -145,6 +147,7 @@ class Engine:
 
     def _start(self, prompt: TokenizedPrompt, params: dict) -> GenerationStream:
         constraint = params.pop("constraint", None)
+        timeout_s = check_timeout(params.pop("timeout_s", None))
         sampling = SamplingParams.build(**params)
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= self._grammars.vocab_size:
@@ -160,7 +163,8 @@ class Engine:
                                  f"(mask, advance, is_finished), got {type(constraint).__name__}")
         request = Request(prompt, sampling, threading.Event(), Channel(), self._count, constraint, time.perf_counter())
         self._scheduler.submit(request)
-        return GenerationStream(request.channel.events(), request.cancel)
+        deadline = None if timeout_s is None else request.started + timeout_s
+        return GenerationStream(request.channel.events(deadline), request.cancel)
 
     def _count(self, gen: Generation) -> None:
         """Request counters, for every request however it ended."""

@@ -23,3 +23,7 @@ class UnsupportedModelError(KVBoostError):
 
 class BudgetError(KVBoostError):
     """A memory budget cannot hold what was asked (for example, pinning more than the cache holds)."""
+
+
+class RequestTimeoutError(KVBoostError, TimeoutError):
+    """A request's own timeout passed before its result came (the request is cancelled)."""

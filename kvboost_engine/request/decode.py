@@ -7,13 +7,14 @@ blocks are freed at once.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from ..errors import ContextWindowError, InputError
+from ..errors import ContextWindowError, InputError, RequestTimeoutError
 from ..instrument import FirstTokenEvent, Instruments
 from ..model.arch import ModelAdapter
 from .detok import TextAssembler
@@ -22,6 +23,8 @@ from .logprobs import LogprobRecorder, TextDelta
 from .prefill import Prefilled, PrefillParts
 from .sampling import Sampler, SamplingParams
 from .tokens import PromptTokenizer, TokenizedPrompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -37,6 +40,15 @@ class EngineParts:
     @property
     def adapter(self) -> ModelAdapter:
         return self.prefill.adapter
+
+
+def check_timeout(timeout_s) -> float | None:
+    """A request's timeout_s: None, or a positive finite number of seconds."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise InputError(f"timeout_s must be None or a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
 
 
 def check_window(parts: EngineParts, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -76,16 +88,26 @@ class Channel:
     def error(self, err: BaseException) -> None:
         self._queue.put(("error", err))
 
-    def events(self) -> Generator[str, None, Generation]:
-        """The caller's side: text deltas; returns the Generation."""
+    def events(self, deadline: float | None = None) -> Generator[str, None, Generation]:
+        """The caller's side: text deltas; returns the Generation. Past `deadline` (perf_counter
+        seconds) without the next event: RequestTimeoutError (the stream's owner cancels)."""
         while True:
-            kind, value = self._queue.get()
+            kind, value = self._get(deadline)
             if kind == "delta":
                 yield value
             elif kind == "done":
                 return value
             else:
                 raise value
+
+    def _get(self, deadline: float | None) -> tuple:
+        if deadline is None:
+            return self._queue.get()
+        try:
+            return self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+        except queue.Empty:
+            raise RequestTimeoutError("the request's timeout_s passed before its result came; "
+                                      "it was cancelled") from None
 
 
 @dataclass(slots=True)
@@ -117,6 +139,7 @@ class Decoding:
         self.valid, self.exact_upto = self.n, done.exact_upto    # KV positions computed / equal to a full prefill
         self.token: int | None = None
         self.finished = False
+        self._delivered = False             # the caller has its result or its error
         g = self.gen
         g.reused_exact, g.reused_moved, g.recomputed = done.reused_exact, done.reused_moved, done.recomputed
         g.reused_tokens = done.reused_exact + done.reused_moved
@@ -127,7 +150,7 @@ class Decoding:
         self.gen.ttft_s = time.perf_counter() - self.request.started
         if self.parts.instruments.active:
             self.parts.instruments.emit(FirstTokenEvent(done.logits, self.n))
-        store(self.parts, self.request.prompt, self.kv, self.n, self.exact_upto)
+        self._store(self.n, self.exact_upto)
         self._take()
 
     def next_input(self) -> tuple:
@@ -180,7 +203,8 @@ class Decoding:
         return TextDelta(delta, entries)
 
     def finish(self, reason: str) -> None:
-        """End the request: store the reply's KV, free the sequence, hand over the Generation."""
+        """End the request: store the reply's KV, free the sequence, hand over the Generation.
+        A store that fails costs only the reuse of this reply (logged): the caller still gets it."""
         if self.finished:
             return
         self.finished = True
@@ -190,36 +214,63 @@ class Decoding:
             tail = self.text.finish()
             if tail:
                 self.request.channel.delta(tail)
-            if self.valid > self.n:     # decode KV of the reply extends an exact prompt exactly
+            gen.text = self.text.final_text
+        except BaseException as err:  # noqa: BLE001 - the caller gets the error instead of the reply
+            self.kv.release()
+            return self._deliver_error(err)
+        self._store_reply()
+        try:
+            _remember_reply(self.parts, gen, self.text)
+        except Exception:  # noqa: BLE001 - a memo for the next turn's reuse, not part of the reply
+            log.warning("kvboost: could not remember the reply's token ids for the next turn", exc_info=True)
+        gen.total_s = time.perf_counter() - self.request.started
+        self._delivered = True
+        try:
+            self.request.on_done(gen)
+        finally:
+            self.request.channel.done(gen)
+
+    def _store_reply(self) -> None:
+        """Cache the KV of the reply (it extends an exact prompt exactly); always free the sequence."""
+        try:
+            if self.valid > self.n:
                 exact = self.valid if self.exact_upto >= self.n else self.exact_upto
-                store(self.parts, self.request.prompt, self.kv, self.valid, exact, gen.token_ids[:self.valid - self.n])
+                self._store(self.valid, exact, self.gen.token_ids[:self.valid - self.n])
         finally:
             self.kv.release()
-        gen.text = self.text.final_text
-        _remember_reply(self.parts, gen, self.text)
-        gen.total_s = time.perf_counter() - self.request.started
-        self.request.on_done(gen)
-        self.request.channel.done(gen)
+
+    def _store(self, upto: int, exact_upto: int, extra_tokens: list[int] = ()) -> None:
+        """Cache KV up to `upto`; a failure costs only later reuse (logged), never this request."""
+        try:
+            store(self.parts, self.request.prompt, self.kv, upto, exact_upto, extra_tokens)
+        except Exception:  # noqa: BLE001 - the request goes on; only its reuse by a later request is lost
+            log.warning("kvboost: storing KV in the cache failed; the request goes on uncached", exc_info=True)
 
     def fail(self, err: BaseException) -> None:
-        """End the request with an error (the caller sees it raised)."""
-        if self.finished:
+        """End the request with an error (the caller sees it raised), unless it was already answered."""
+        if self._delivered:
             return
         self.finished = True
-        self.gen.finish_reason = "error"
         self.kv.release()
+        self._deliver_error(err)
+
+    def _deliver_error(self, err: BaseException) -> None:
+        self._delivered = True
+        self.gen.finish_reason = "error"
         self.gen.total_s = time.perf_counter() - self.request.started
-        self.request.on_done(self.gen)
-        self.request.channel.error(err)
+        try:
+            self.request.on_done(self.gen)
+        finally:
+            self.request.channel.error(err)
 
 
 def _remember_reply(parts: EngineParts, gen: Generation, text: TextAssembler) -> None:
     """Remember which ids produced the reply text, so the next turn re-uses them exactly."""
-    ids = [t for t in gen.token_ids if t not in parts.eos_ids]
     if not gen.text:
         return
+    ids = [t for t in gen.token_ids if t not in parts.eos_ids]
     if text.stopped_at is not None:
-        ids = next((ids[:k] for k in range(1, len(ids) + 1) if text.decode(ids[:k]) == gen.text), None)
+        ids = text.ids_for(gen.text)          # the tokens before the stop string, if they decode to the text
     if ids is None or text.decode(ids) != gen.text:
         return
     parts.prompt_tokenizer.remember_reply(gen.text, ids)

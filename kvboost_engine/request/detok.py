@@ -18,11 +18,13 @@ class TextAssembler:
         self._prefix_offset = 0
         self._read_offset = 0
         self.stopped_at: int | None = None
+        self._ends: list[int] = []  # len(self.text) after each token
 
     def add(self, token_id: int) -> str:
         """Add a generated token; return the text that is now safe to show."""
         self.token_ids.append(token_id)
         self._decode_new()
+        self._ends.append(len(self.text))
         if self.stops:
             self._find_stop()
         return self._release()
@@ -37,6 +39,16 @@ class TextAssembler:
     @property
     def final_text(self) -> str:
         return self.text if self.stopped_at is None else self.text[:self.stopped_at]
+
+    def ids_for(self, text: str) -> list[int] | None:
+        """The shortest run of the first tokens that decodes to `text` (a prefix of the text so far),
+        or None; a few decodes whatever the length (the reply memo after a stop string)."""
+        for count, end in enumerate(self._ends, start=1):
+            if end > len(text):
+                return None
+            if end == len(text) and self.decode(self.token_ids[:count]) == text:
+                return self.token_ids[:count]
+        return None
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,

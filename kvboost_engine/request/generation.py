@@ -77,6 +77,9 @@ class GenerationStream(Iterator[str]):
         except StopIteration as done:
             self.generation = done.value
             raise
+        except TimeoutError:
+            self._cancel.set()              # the caller stops waiting: the request stops too
+            raise
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -7,15 +7,21 @@ prefix blocks mapped, not copied), and a long prompt never holds the others' dec
 than one chunk. Requests come from any thread or event loop (`submit`); their results come back
 through their Channel.
 
-Admission: a request joins when its KV can be reserved. One that fits the pool alone but not next
-to the running ones waits (a bounded queue, `max_waiting`, for at most `queue_timeout_s`), then
-gets a clear BudgetError; one that cannot fit even alone is refused at once. A request whose
+Admission: a request joins when a running slot (`max_running`) is free and its KV can be reserved.
+One that waits (a bounded queue, `max_waiting` beyond the free slots) gets a clear BudgetError after
+`queue_timeout_s`; one that cannot fit the pool even alone is refused at once. A request whose
 prompt continues a prompt still being prefilled waits for it to be stored, so concurrent chats
 over one system prompt hold its blocks once.
+
+Faults: an exception while handling one request (admission, prefill, settling a step, storing at
+the finish, cancelling) ends that request with the error and the others go on; an exception the
+loop cannot pin on one request ends every admitted request with a clear error, and the loop goes
+on with the waiting ones. A caller never waits on a dead thread.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -25,11 +31,14 @@ from concurrent.futures import Future
 import torch
 
 from ..errors import BudgetError, KVBoostError
-from ..kv.tree import common_prefix
+from .admission import check_fits_alone, continues_a_prefill
 from .decode import Decoding, EngineParts, Request
-from .generation import Generation
+from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
+    refuse as _refuse, run_task as _run_task
 from .openmp import release_thread_pool
 from .prefill import Assembled, assemble, prefilled, repair
+
+log = logging.getLogger(__name__)
 
 
 class _Prefilling:
@@ -54,6 +63,9 @@ def _close_all() -> None:
 class Scheduler:
     def __init__(self, parts: EngineParts, *, max_running: int, max_batch_tokens: int, max_waiting: int,
                  queue_timeout_s: float):
+        if max_batch_tokens < max_running:
+            raise KVBoostError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_running ({max_running}): "
+                               "else prompts being prefilled get no tokens while the others decode")
         self.parts = parts
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
         self.max_waiting, self.queue_timeout_s = max_waiting, queue_timeout_s
@@ -69,12 +81,14 @@ class Scheduler:
     # ---- callers ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue a request; its deltas and result arrive through request.channel."""
-        self._check_fits_alone(request)
+        check_fits_alone(self.parts.prefill, request)
         with self._cond:
             self._check_open()
-            if len(self._waiting) >= self.max_waiting:
-                raise BudgetError(f"{len(self._waiting)} requests are already waiting for KV room "
-                                  f"(max_waiting={self.max_waiting}); try again later")
+            free_slots = max(0, self.max_running - self.active)
+            if len(self._waiting) >= self.max_waiting + free_slots:
+                raise BudgetError(f"{len(self._waiting)} requests are already waiting for a running slot or KV "
+                                  f"room (max_waiting={self.max_waiting}, max_running={self.max_running}); "
+                                  "try again later")
             self._waiting.append(request)
             self._start_thread()
             self._cond.notify()
@@ -116,22 +130,15 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
             self._thread.start()
 
-    def _check_fits_alone(self, request: Request) -> None:
-        if not self.parts.prefill.config.paged:
-            return                                  # contiguous requests bring their own buffers
-        pool, cache = self.parts.prefill.cache.pool, self.parts.prefill.cache
-        need = -(-(len(request.prompt) + request.params.max_new_tokens) // pool.block_tokens)
-        room = pool.total_blocks - cache.budget.pinned_bytes // pool.block_bytes
-        if need > room:
-            raise BudgetError(f"request refused before any work: it needs KV for "
-                              f"{len(request.prompt) + request.params.max_new_tokens} positions ({need} blocks of "
-                              f"{pool.block_tokens} tokens) but the KV pool holds {room} blocks next to pinned "
-                              f"chunks ({pool.total_blocks * pool.block_bytes} bytes in all)")
 
     # ---- the loop -----------------------------------------------------------------------
     def _loop(self) -> None:
-        with torch.inference_mode():        # grad mode is per thread: KV made inside or outside one works
-            self._run()
+        try:
+            with torch.inference_mode():    # grad mode is per thread: KV made inside or outside one works
+                self._run()
+        except BaseException as err:  # noqa: BLE001 - a fault outside any step: no caller waits on a dead thread
+            log.exception("kvboost scheduler loop failed; its requests get the error and a new loop starts")
+            self._abandon(err)
 
     def _run(self) -> None:
         while True:
@@ -144,12 +151,17 @@ class Scheduler:
                 tasks, self._tasks = list(self._tasks), deque()
             for fn, future in tasks:
                 _run_task(fn, future)
-            self._step()
+            try:
+                self._step()
+            except BaseException as err:  # noqa: BLE001 - not pinned on one request: end the admitted ones
+                log.exception("kvboost scheduler step failed; its running requests get the error")
+                self._fail_admitted(_internal(err))
         self._shut_down()
 
     def _step(self) -> None:
         self._drop_cancelled()
         self._admit()
+        self._expire_waiting()
         owners, items, want = self._plan()
         if not items:
             return
@@ -160,20 +172,25 @@ class Scheduler:
                 self._fail(owner, err)
             return
         for owner, item, out in zip(owners, items, logits):
-            self._settle(owner, len(item[1]), out)
+            try:
+                self._settle(owner, len(item[1]), out)
+            except BaseException as err:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(owner, err)
 
     def _drop_cancelled(self) -> None:
         for decoding in [d for d in self._decoding if d.request.cancel.is_set()]:
-            decoding.finish("cancelled")
             self._decoding.remove(decoding)
+            _guarded(decoding, lambda d=decoding: d.finish("cancelled"))
         for pre in [p for p in self._prefilling if p.request.cancel.is_set()]:
-            pre.assembled.sequence.release()
             self._prefilling.remove(pre)
+            pre.assembled.sequence.release()
             _cancelled(pre.request)
         with self._cond:
-            for request in [r for r in self._waiting if r.cancel.is_set()]:
+            cancelled = [r for r in self._waiting if r.cancel.is_set()]
+            for request in cancelled:
                 self._waiting.remove(request)
-                _cancelled(request)
+        for request in cancelled:
+            _cancelled(request)
 
     # ---- admission ----------------------------------------------------------------------
     def _admit(self) -> None:
@@ -182,9 +199,9 @@ class Scheduler:
                 if not self._waiting:
                     return
                 request = self._waiting[0]
-            if self._continues_a_prefill(request):
-                return
             try:
+                if self._continues_a_prefill(request):
+                    return
                 assembled = assemble(self.parts.prefill, request.prompt, request.params.max_new_tokens)
             except BudgetError as err:
                 if self.active and time.perf_counter() - request.started < self.queue_timeout_s:
@@ -199,19 +216,25 @@ class Scheduler:
             self._pop(request)
             self._start(request, assembled)
 
+    def _expire_waiting(self) -> None:
+        """Requests that waited longer than queue_timeout_s for a running slot get a BudgetError."""
+        if self.active < self.max_running:
+            return                          # a slot is free: the head waits for KV room or a prefill it continues
+        now = time.perf_counter()
+        with self._cond:
+            expired = [r for r in self._waiting if now - r.started >= self.queue_timeout_s]
+            for request in expired:
+                self._waiting.remove(request)
+        for request in expired:
+            _refuse(request, BudgetError(f"every running slot stayed busy (max_running={self.max_running})"),
+                    waited=now - request.started)
+
     def _pop(self, request: Request) -> None:
         with self._cond:
             self._waiting.remove(request)
 
     def _continues_a_prefill(self, request: Request) -> bool:
-        """Whether a prompt still being prefilled covers more of this one than the cache does
-        (then this one waits for it to be stored and maps its blocks instead of computing them)."""
-        if not self._prefilling:
-            return False
-        tokens = request.prompt.token_ids
-        shared = max(common_prefix(tuple(p.request.prompt.token_ids), tokens, 0) for p in self._prefilling)
-        cached = self.parts.prefill.cache.cached_prefix(tokens, len(tokens) - 1)
-        return shared > cached + self.parts.prefill.cache.block_tokens
+        return continues_a_prefill(self.parts.prefill, request, [p.request for p in self._prefilling])
 
     def _start(self, request: Request, assembled: Assembled) -> None:
         if not assembled.moved:
@@ -260,34 +283,52 @@ class Scheduler:
 
     def _settle(self, owner, computed: int, logits) -> None:
         if isinstance(owner, Decoding):
-            try:
-                owner.advance(logits)
-            except BaseException as err:  # noqa: BLE001
-                owner.fail(err)
+            owner.advance(logits)
             if owner.finished:
                 self._decoding.remove(owner)
             return
         owner.cursor += computed
         if owner.cursor == len(owner.request.prompt):
+            done = prefilled(owner.assembled, logits)
             self._prefilling.remove(owner)
-            self._decode(owner.request, prefilled(owner.assembled, logits))
+            self._decode(owner.request, done)
 
     def _fail(self, owner, err: BaseException) -> None:
+        """End one admitted request with `err` (whatever state it is in) and free its blocks."""
         if isinstance(owner, Decoding):
+            if owner in self._decoding:
+                self._decoding.remove(owner)
             owner.fail(err)
-            self._decoding.remove(owner)
-        else:
-            owner.assembled.sequence.release()
+            return
+        if owner in self._prefilling:
             self._prefilling.remove(owner)
-            _refuse(owner.request, err)
+        owner.assembled.sequence.release()
+        _refuse(owner.request, err)
+
+    def _fail_admitted(self, err: BaseException) -> None:
+        for owner in [*self._decoding, *self._prefilling]:
+            try:
+                self._fail(owner, err)
+            except BaseException:  # noqa: BLE001 - keep ending the others
+                log.exception("kvboost scheduler could not end a request cleanly")
+        self._decoding.clear()
+        self._prefilling.clear()
+
+    def _abandon(self, err: BaseException) -> None:
+        """The loop itself failed: end everything it held, then let the next request start a new loop."""
+        self._fail_admitted(_internal(err))
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+            tasks, self._tasks = list(self._tasks), deque()
+            self._thread = None
+        for request in waiting:
+            _refuse(request, _internal(err))
+        for _, future in tasks:
+            future.set_exception(_internal(err))
 
     def _shut_down(self) -> None:
         closed = KVBoostError("this engine is closed")
-        for decoding in list(self._decoding):
-            decoding.finish("cancelled")
-        for pre in list(self._prefilling):
-            pre.assembled.sequence.release()
-            _refuse(pre.request, closed)
+        self._fail_admitted(closed)
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
             tasks, self._tasks = list(self._tasks), deque()
@@ -295,26 +336,4 @@ class Scheduler:
             _refuse(request, closed)
         for _, future in tasks:
             future.set_exception(closed)
-        self._decoding.clear()
-        self._prefilling.clear()
 
-
-def _run_task(fn, future: Future) -> None:
-    try:
-        future.set_result(fn())
-    except BaseException as err:  # noqa: BLE001 - handed to the caller
-        future.set_exception(err)
-
-
-def _refuse(request: Request, err: BaseException, waited: float | None = None) -> None:
-    if waited is not None and isinstance(err, BudgetError):
-        err = BudgetError(f"{err} (waited {waited:.1f} s for running requests to free KV room)")
-    gen = Generation(prompt_tokens=len(request.prompt), finish_reason="error")
-    request.on_done(gen)
-    request.channel.error(err)
-
-
-def _cancelled(request: Request) -> None:
-    gen = Generation(prompt_tokens=len(request.prompt), finish_reason="cancelled")
-    request.on_done(gen)
-    request.channel.done(gen)
