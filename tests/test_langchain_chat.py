@@ -86,7 +86,7 @@ def test_engine_is_lazy_and_shared_between_models_with_same_settings(monkeypatch
 
 def test_bad_input_is_rejected_clearly(chat):
     with pytest.raises(ValueError, match="unsupported call parameters"):
-        chat.invoke("hi", frequency_penalty=1.0)
+        chat.invoke("hi", best_of=2)
     with pytest.raises(ValueError, match="text only"):
         chat.invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
 

@@ -1,9 +1,10 @@
 """Settings both LangChain classes share: which engine, and how to sample."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.runnables import Runnable
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvboost_engine import Engine, Generation
@@ -11,9 +12,10 @@ from kvboost_engine.loading import DEFAULT_MODEL_NAME
 
 from .._bridge import generation_metadata, resolve_engine, token_ids
 from .._options import check_arguments, engine_options
+from .._sampling import CONTROLS, check_values, engine_params
 from ..remote import RemoteEngine, connect
 
-_CALL_PARAMS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+_CALL_PARAMS = CONTROLS
 _LOCAL_OPTIONS = ("engine", "model", "device", "dtype", "cache_bytes", "chunk_tokens", "moved_reuse")
 
 
@@ -61,6 +63,22 @@ class KVBoostSettings(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_tokens: int | None = None
+    """Tokens generated before an end-of-sequence token may end the reply (None/0: no minimum)."""
+    repetition_penalty: float | None = None
+    """transformers' definition: logits of tokens already in the prompt or the reply are divided by
+    it (multiplied when negative). > 1 discourages repeats; None/1.0: off."""
+    presence_penalty: float | None = None
+    """OpenAI's definition, in [-2, 2]: subtracted once from the logit of every token already in the reply."""
+    frequency_penalty: float | None = None
+    """OpenAI's definition, in [-2, 2]: subtracted from a token's logit for each time it is in the reply."""
+    logit_bias: dict[int, float] | None = None
+    """{token id: bias in [-100, 100]} added to the logits (-100 bans a token, 100 forces it)."""
+    logprobs: bool | None = None
+    """Return each generated token's log-probability (ChatKVBoost: `response_metadata["logprobs"]`,
+    in ChatOpenAI's format, on streamed chunks too; KVBoostLLM: `generation_info["logprobs"]`)."""
+    top_logprobs: int | None = None
+    """With `logprobs`, also the 0 to 20 most likely tokens at each position."""
     stop: list[str] | None = None
     """Stop strings of any length; the stop string is not returned."""
     timeout: float | None = None
@@ -72,6 +90,7 @@ class KVBoostSettings(BaseModel):
     """Accepted for compatibility; `stream()`/`astream()` always stream."""
 
     _engine: Engine | None = PrivateAttr(default=None)
+    _bind_only: ClassVar[tuple[str, ...]] = ()         # call arguments other than sampling controls
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +99,11 @@ class KVBoostSettings(BaseModel):
             check_arguments(cls.__name__, data, set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
                                                                          if f.alias})
         return data
+
+    @model_validator(mode="after")
+    def _sampling_values(self) -> "KVBoostSettings":
+        check_values(self.sampling_params(None, {}))            # a bad value fails here, not at the first call
+        return self
 
     @model_validator(mode="after")
     def _remote_or_local(self) -> "KVBoostSettings":
@@ -118,15 +142,29 @@ class KVBoostSettings(BaseModel):
         return self.served_model or self.model or ("remote" if self.endpoint else DEFAULT_MODEL_NAME)
 
     def sampling_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Engine sampling parameters: per-call kwargs over the instance's settings."""
+        """Engine sampling parameters (the one mapping): per-call kwargs over the instance's settings."""
         unknown = sorted(k for k in kwargs if k not in _CALL_PARAMS and not k.startswith("ls_"))
         if unknown:
             raise ValueError(f"unsupported call parameters {unknown}; accepted: {', '.join(_CALL_PARAMS)}"
                              " (to use another model, create another instance)")
-        return {"max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
-                "temperature": kwargs.get("temperature", self.temperature),
-                "top_p": kwargs.get("top_p", self.top_p), "top_k": kwargs.get("top_k", self.top_k),
-                "seed": kwargs.get("seed", self.seed), "stop": stop if stop is not None else self.stop}
+        params = engine_params({name: kwargs.get(name, getattr(self, name)) for name in _CALL_PARAMS})
+        params["stop"] = stop if stop is not None else self.stop
+        return params
+
+    def sampling_settings(self) -> dict[str, Any]:
+        """The instance's sampling controls by name (for `_identifying_params`)."""
+        return {name: getattr(self, name) for name in _CALL_PARAMS} | {"stop": self.stop}
+
+    def bind(self, **kwargs: Any) -> Runnable:
+        """`Runnable.bind`, with the arguments checked now: an unknown name or a bad value raises
+        here (naming it), not at the first call."""
+        self.check_bound(kwargs, self._bind_only)
+        return super().bind(**kwargs)
+
+    def check_bound(self, kwargs: dict[str, Any], others: tuple[str, ...] = ()) -> None:
+        """At bind time: ValueError for an unknown argument or a bad value (not at the first call)."""
+        controls = {k: v for k, v in kwargs.items() if k not in others and k != "stop"}
+        check_values(self.sampling_params(kwargs.get("stop"), controls))
 
     def ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
         params = {"ls_provider": "kvboost", "ls_model_type": model_type,

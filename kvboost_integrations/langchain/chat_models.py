@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
@@ -19,6 +19,8 @@ from kvboost_engine import Generation, GenerationStream
 from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream_timeout, iter_stream
+from .._logprobs import LogprobTrail
+from .._sampling import check_server
 from .._toolcalls import ToolCallSplitter, add_tool_prompt, forced_tools, normalize_tool_choice, tool_format
 from ..remote import is_remote
 from ._settings import KVBoostSettings, response_metadata, usage_metadata
@@ -43,14 +45,15 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         ```
     """
 
+    _bind_only: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+
     @property
     def _llm_type(self) -> str:
         return "kvboost-chat"
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+        return {"model_name": self.model_name, **self.sampling_settings()}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(**self.ls_params(stop, kwargs, "chat"))
@@ -62,9 +65,10 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         names = [tool["function"]["name"] for tool in tools]
         choice = normalize_tool_choice(kwargs.pop("tool_choice", None), names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
+        parallel = kwargs.pop("parallel_tool_calls", None)
         params = self.sampling_params(stop, kwargs)
         tools = tools if choice != "none" and response_format is None else []
-        reply = _Reply(self.model_name)
+        reply = _Reply(self.model_name, one_call=parallel is False)
 
         def start() -> GenerationStream:     # runs in the worker thread for async calls
             stream = self._open(messages, tools, choice, response_format, params, reply)
@@ -78,6 +82,7 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
               params: dict, reply: "_Reply") -> GenerationStream:
         engine = self.get_engine()
         if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
+            check_server(engine.server_info().kind, params)
             return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
                                       tool_choice=choice, response_format=response_format, **params)
         fmt = tool_format(engine.tokenizer)
@@ -143,15 +148,22 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
 
     # ---- tools and structured output ------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+                   tool_choice: str | dict | bool | None = None, parallel_tool_calls: bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (LangChain tools, functions, Pydantic models or OpenAI/JSON-schema dicts).
 
         tool_choice: "auto" (default; the model decides), "none", "any"/"required" (a call is
         forced, written by constrained decoding) or a tool name (that tool is forced).
+        parallel_tool_calls: False keeps only the first call of a reply (None/True: every call the
+        model writes). Other kwargs are call parameters, checked here.
         """
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
-        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+        if parallel_tool_calls is not None:
+            if not isinstance(parallel_tool_calls, bool):
+                raise ValueError(f"parallel_tool_calls must be a bool, got {parallel_tool_calls!r}")
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(tools=formatted, tool_choice=choice, **kwargs)
 
     def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
@@ -188,23 +200,35 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
 
 
 class _Reply:
-    """Turns engine deltas and the final Generation into message chunks for one request."""
+    """Turns engine deltas and the final Generation into message chunks for one request.
+    Logprobs (when asked for) ride on the chunks as `response_metadata["logprobs"]["content"]`
+    (ChatOpenAI's format), which LangChain concatenates when it adds chunks up."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, one_call: bool = False):
         self.model_name = model_name
+        self.one_call = one_call                    # parallel_tool_calls=False: the first call only
         self.splitter = ToolCallSplitter(None)      # replaced when the request starts
         self.documents_from_cache: int | None = None
+        self.logprobs = LogprobTrail()
 
     def chunk(self, item: str | Generation) -> ChatGenerationChunk | None:
         if isinstance(item, str):
+            self.logprobs.feed(item)
             visible = self.splitter.feed(item)
-            return ChatGenerationChunk(message=AIMessageChunk(content=visible)) if visible else None
+            if not visible:
+                return None
+            entries = self.logprobs.take()
+            metadata = {"logprobs": {"content": entries}} if entries else {}
+            return ChatGenerationChunk(message=AIMessageChunk(content=visible, response_metadata=metadata))
         rest, calls = self.splitter.finish(cut=item.finish_reason != "stop")
-        calls = tool_call_chunks(calls) or _server_tool_calls(item)
+        calls = (tool_call_chunks(calls) or _server_tool_calls(item))[:1 if self.one_call else None]
         finish = "tool_calls" if calls else item.finish_reason
         metadata = response_metadata(item, self.model_name, finish)
         if self.documents_from_cache is not None:
             metadata["documents_from_cache"] = self.documents_from_cache
+        entries = self.logprobs.rest(item)
+        if entries is not None:
+            metadata["logprobs"] = {"content": entries}
         message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
                                  response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})

@@ -20,7 +20,8 @@ from kvboost_engine import InputError
 from .errors import BadReplyError
 from .telemetry import PrefixCounters, parse_metrics, prefix_counters
 
-SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_new_tokens", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
 _FAILOVER_STATUS = (408, 429, 500, 502, 503, 504)
 CONNECT_TIMEOUT_S = 5.0     # to open a connection
 READ_TIMEOUT_S = 30.0       # for the response to start, and between two chunks of a stream
@@ -193,12 +194,21 @@ def sampling_body(params: dict) -> dict:
     body: dict = {"stream": True, "stream_options": {"include_usage": True}}
     if params.get("max_new_tokens") is not None:
         body["max_tokens"] = params["max_new_tokens"]
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
         if params.get(name) is not None:
             body[name] = params[name]
     if params.get("stop"):
         body["stop"] = list(params["stop"])
+    if params.get("logit_bias"):
+        body["logit_bias"] = {str(token): bias for token, bias in dict(params["logit_bias"]).items()}
     extra = {"top_k": params.get("top_k") or 0}       # 0: no top-k cut (vLLM and llama-server alike)
+    if params.get("min_new_tokens"):
+        extra["min_tokens"] = params["min_new_tokens"]
+    if params.get("repetition_penalty") not in (None, 1.0):
+        # vLLM reads repetition_penalty; llama-server reads repeat_penalty, over the last repeat_last_n
+        # tokens (-1: all, transformers' definition); each server ignores the other's names
+        extra.update(repetition_penalty=params["repetition_penalty"], repeat_penalty=params["repetition_penalty"],
+                     repeat_last_n=-1)
     body["extra_body"] = extra
     return body
 
@@ -207,6 +217,8 @@ def chat_body(model: str, messages: list[dict], params: dict, *, tools: list[dic
               tool_choice=None, response_format: dict | None = None, template_kwargs: dict | None = None) -> dict:
     """The `chat.completions.create` arguments of one streamed request."""
     body = {"model": model, "messages": messages, **sampling_body(params)}
+    if params.get("logprobs"):
+        body.update(logprobs=True, top_logprobs=params.get("top_logprobs") or 0)
     if tools:
         body["tools"] = tools
         body["tool_choice"] = wire_tool_choice(tool_choice)
@@ -219,7 +231,10 @@ def chat_body(model: str, messages: list[dict], params: dict, *, tools: list[dic
 
 def completion_body(model: str, prompt: str, params: dict) -> dict:
     """The `completions.create` arguments of one streamed plain-text request."""
-    return {"model": model, "prompt": prompt, **sampling_body(params)}
+    body = {"model": model, "prompt": prompt, **sampling_body(params)}
+    if params.get("logprobs"):
+        body["logprobs"] = params.get("top_logprobs") or 0        # the completions API: how many alternatives
+    return body
 
 
 def wire_tool_choice(choice) -> str | dict:

@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from kvboost_engine import Generation
+from kvboost_engine import Generation, TextDelta
 
 from .errors import BadReplyError
 
@@ -62,6 +62,8 @@ class ReplyState:
         self.finish_reason: str | None = None
         self.usage = None
         self.timings: dict | None = None
+        self.logprobs: list[dict] | None = None     # when the server sends them
+        self._unsent: list[dict] = []                 # logprobs not yet carried by a delta
 
     @property
     def delivered(self) -> bool:
@@ -96,6 +98,7 @@ class ReplyState:
                 self._feed_call(call)
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
+            self._take_logprobs(chat_logprobs(getattr(choice, "logprobs", None)))
         return self._text(text)
 
     def feed_completion(self, chunk) -> str:
@@ -106,7 +109,13 @@ class ReplyState:
             text = choice.text or ""
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
+            self._take_logprobs(completion_logprobs(getattr(choice, "logprobs", None)))
         return self._text(text)
+
+    def _take_logprobs(self, entries: list[dict]) -> None:
+        if entries:
+            self.logprobs = (self.logprobs or []) + entries
+            self._unsent += entries
 
     def _common(self, chunk) -> None:
         if getattr(chunk, "usage", None) is not None:
@@ -118,6 +127,8 @@ class ReplyState:
     def _text(self, text: str) -> str:
         if text:
             self._first_token()
+            if self._unsent:
+                text, self._unsent = TextDelta(text, self._unsent), []
             self.parts.append(text)
         return text
 
@@ -158,7 +169,25 @@ class ReplyState:
             reused_exact=reused, ttft_s=(self.first_token_at or now) - self.started, total_s=now - self.started,
             completion_count=getattr(self.usage, "completion_tokens", 0) or 0, replica=replica, served_model=model,
             tool_calls=[_call(index, entry) for index, entry in sorted(self.calls.items())],
-            failovers=list(failovers), server=server)
+            failovers=list(failovers), server=server, logprobs=self.logprobs)
+
+
+def chat_logprobs(logprobs) -> list[dict]:
+    """A chat chunk's `logprobs.content` as our entries (OpenAI's chat format already)."""
+    content = getattr(logprobs, "content", None) or []
+    return [item.model_dump() if hasattr(item, "model_dump") else dict(item) for item in content]
+
+
+def completion_logprobs(logprobs) -> list[dict]:
+    """A completions chunk's legacy logprobs (tokens, token_logprobs, top_logprobs dicts) as chat entries."""
+    if logprobs is None:
+        return []
+    tokens = getattr(logprobs, "tokens", None) or []
+    values = getattr(logprobs, "token_logprobs", None) or []
+    tops = getattr(logprobs, "top_logprobs", None) or [None] * len(tokens)
+    return [{"token": token, "logprob": value, "bytes": list(token.encode()),
+             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in (top or {}).items()]}
+            for token, value, top in zip(tokens, values, tops)]
 
 
 def _call(index: int, entry: dict) -> dict:

@@ -1,0 +1,72 @@
+"""Sampling controls and logprobs over an endpoint: what goes on the wire, what comes back, and a
+control a server kind would drop refused by name."""
+import pytest
+
+pytest.importorskip("openai")
+
+from openai.types import Completion  # noqa: E402
+from openai.types.chat import ChatCompletionChunk  # noqa: E402
+
+from kvboost_engine import InputError, TextDelta  # noqa: E402
+from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM  # noqa: E402
+from kvboost_integrations.remote import RemoteEngine  # noqa: E402
+from kvboost_integrations.remote.client import ServerInfo, chat_body, completion_body  # noqa: E402
+from kvboost_integrations.remote.generation import ReplyState  # noqa: E402
+from fake_openai_server import FakeServer  # noqa: E402
+
+CONTROLS = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, min_tokens=2,
+                logit_bias={5: -100}, logprobs=True, top_logprobs=2)
+
+
+def test_every_control_goes_to_the_server():
+    with FakeServer() as server:
+        ChatKVBoost(endpoint=server.url, max_tokens=5, **CONTROLS).invoke("hi")
+        body = next(r for r in server.requests if r["path"] == "/v1/chat/completions")
+        assert (body["presence_penalty"], body["frequency_penalty"], body["logit_bias"]) == (0.5, 0.25, {"5": -100})
+        assert (body["logprobs"], body["top_logprobs"], body["min_tokens"]) == (True, 2, 2)
+        assert body["repetition_penalty"] == body["repeat_penalty"] == 1.3 and body["repeat_last_n"] == -1
+        KVBoostLLM(endpoint=server.url, max_tokens=5, logprobs=True, top_logprobs=3).invoke("hi")
+        assert next(r for r in server.requests if r["path"] == "/v1/completions")["logprobs"] == 3
+
+
+def test_the_default_request_is_unchanged():
+    body = chat_body("m", [], {"max_new_tokens": 4, "temperature": 0.0, "stop": None})
+    assert set(body) == {"model", "messages", "stream", "stream_options", "max_tokens", "temperature", "extra_body"}
+    assert body["extra_body"] == {"top_k": 0}
+    assert "logprobs" not in completion_body("m", "p", {"max_new_tokens": 4})
+
+
+def test_a_control_llama_server_would_drop_is_refused_by_name(monkeypatch):
+    with FakeServer() as server:
+        engine = RemoteEngine(server.url)
+        monkeypatch.setattr(engine, "server_info", lambda: ServerInfo("llamacpp", "fake-model", 4096))
+        with pytest.raises(InputError, match="min_tokens"):
+            ChatKVBoost(engine=engine, min_tokens=3).invoke("hi")
+        with pytest.raises(InputError, match="min_tokens"):
+            KVBoostLLM(engine=engine, min_tokens=3).invoke("hi")
+        assert not any(r["path"].startswith("/v1/c") for r in server.requests)          # nothing was sent
+        ChatKVBoost(engine=engine, repetition_penalty=1.2).invoke("hi")       # honoured: as repeat_penalty
+
+
+def test_server_logprobs_come_back_on_deltas_and_the_generation():
+    entry = {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": []}
+    chunk = ChatCompletionChunk.model_validate({
+        "id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": {"content": [entry]}, "finish_reason": None}]})
+    state = ReplyState(0.0)
+    delta = state.feed_chat(chunk)
+    assert isinstance(delta, TextDelta) and delta == "Hi" and delta.logprobs == [entry]
+    assert state.generation(replica="r", model="m", cancelled=False, failovers=[]).logprobs == [entry]
+    legacy = Completion.model_validate({
+        "id": "x", "object": "text_completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "text": " yes", "finish_reason": "length",
+                     "logprobs": {"tokens": [" yes"], "token_logprobs": [-0.5], "top_logprobs": [{" yes": -0.5, " no": -1.5}],
+                                  "text_offset": [0]}}]})
+    state = ReplyState(0.0)
+    delta = state.feed_completion(legacy)
+    assert delta.logprobs == [{"token": " yes", "logprob": -0.5, "bytes": list(b" yes"),
+                               "top_logprobs": [{"token": " yes", "logprob": -0.5, "bytes": list(b" yes")},
+                                                {"token": " no", "logprob": -1.5, "bytes": list(b" no")}]}]
+    plain = ReplyState(0.0)
+    assert type(plain.feed_completion(legacy.model_copy(update={"choices": [legacy.choices[0].model_copy(
+        update={"logprobs": None})]}))) is str
