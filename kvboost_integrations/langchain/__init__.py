@@ -12,6 +12,7 @@ from .chat_models import ChatKVBoost
 from .llms import KVBoostLLM
 from .messages import document_block
 from .rag import document_blocks, document_messages, retrieval_messages, warm_documents
+from .structured import LengthCutError
 
-__all__ = ["ChatKVBoost", "KVBoostLLM", "document_block", "document_blocks", "document_messages",
+__all__ = ["ChatKVBoost", "KVBoostLLM", "LengthCutError", "document_block", "document_blocks", "document_messages",
            "retrieval_messages", "warm_documents"]

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from operator import itemgetter
 from typing import Any, ClassVar
 
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -25,6 +25,7 @@ from .._toolcalls import ToolCallSplitter, add_tool_prompt, forced_tools, normal
 from ..remote import is_remote
 from ._settings import KVBoostSettings, response_metadata, usage_metadata
 from .messages import to_engine_messages
+from .structured import structured_chain
 from .tools import tool_call_chunks
 
 
@@ -171,8 +172,9 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         """Answers as `schema` (Pydantic class, TypedDict, or JSON schema), by constrained decoding.
 
         method "json_schema" (default): the output is generated under the schema (llguidance), so
-        it validates unless `max_tokens` cuts it (finish_reason "length"; parsing then fails, or
-        `include_raw=True` reports it). "json_mode": valid JSON; the schema is followed too when
+        it validates unless `max_tokens` cuts it: a cut reply (finish_reason "length") raises
+        `LengthCutError` (an OutputParserException naming the budget), never a partial object;
+        `include_raw=True` gives it as `parsing_error`. "json_mode": valid JSON; the schema is followed too when
         given (schema None: any JSON object, parsed to a dict). "function_calling": a forced call
         of a tool whose parameters are the schema, in the model's tool-call format. A schema
         feature that cannot be enforced raises ValueError naming it, before any decoding.
@@ -180,23 +182,23 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         """
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
-        if method == "function_calling":
-            return super().with_structured_output(schema, include_raw=include_raw, method=method, strict=strict)
-        if method not in ("json_schema", "json_mode"):
+        if method not in ("json_schema", "json_mode", "function_calling"):
             raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', got {method!r}")
-        if schema is None and method == "json_schema":
-            raise ValueError("method 'json_schema' needs a schema (or use method='json_mode' for any JSON object)")
-        response_format = {"type": "json_object"} if schema is None else convert_to_json_schema(schema)
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method {method!r} needs a schema (or use method='json_mode' for any JSON object)")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         tracing = {} if schema is None else {"ls_structured_output_format": {"kwargs": {"method": method},
                                                                              "schema": schema}}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, **tracing)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+            return structured_chain(llm, parser, include_raw)
+        response_format = {"type": "json_object"} if schema is None else convert_to_json_schema(schema)
         llm = self.bind(response_format=response_format, **tracing)
-        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
-        if not include_raw:
-            return llm | parser
-        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
-        failed = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+        return structured_chain(llm, parser, include_raw)
 
 
 class _Reply:

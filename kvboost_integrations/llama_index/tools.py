@@ -11,7 +11,7 @@ from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole, ToolCallBlock
 from llama_index.core.llms.llm import ToolSelection
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from .._toolcalls import normalize_tool_choice
 
@@ -53,12 +53,9 @@ def keep_first_call(response: ChatResponse) -> ChatResponse:
 def parse_structured(output_cls: type[BaseModel], response: ChatResponse) -> BaseModel:
     """The Pydantic object of a constrained reply; a reply cut by max_new_tokens is an error that
     says so (never a silently truncated object)."""
-    text = response.message.content or ""
-    try:
-        return output_cls.model_validate_json(text)
-    except ValidationError as err:
-        finish = ((response.raw or {}).get("kvboost") or {}).get("finish_reason")
-        if finish == "length":
-            raise ValueError(f"the {output_cls.__name__} JSON was cut by max_new_tokens before it was complete "
-                             f"({response.raw['usage']['completion_tokens']} tokens); raise max_new_tokens") from err
-        raise
+    finish = ((response.raw or {}).get("kvboost") or {}).get("finish_reason")
+    if finish == "length":                  # even a cut that happens to validate is not the whole answer
+        spent = ((response.raw or {}).get("usage") or {}).get("completion_tokens")
+        raise ValueError(f"the {output_cls.__name__} JSON was cut before it was complete: finish_reason='length' "
+                         f"after {spent} tokens (the max_new_tokens budget); raise max_new_tokens")
+    return output_cls.model_validate_json(response.message.content or "")

@@ -1,0 +1,38 @@
+"""Structured output as LangChain expects it, with one promise added: a reply that the token budget
+cut (finish_reason "length") is an error, never a partial object (as ChatOpenAI's
+LengthFinishReasonError)."""
+from __future__ import annotations
+
+from operator import itemgetter
+from typing import Any
+
+from langchain_core.exceptions import OutputParserException
+from langchain_core.messages import BaseMessage
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+
+
+class LengthCutError(OutputParserException):
+    """The structured reply was cut by max_tokens before it was complete (finish_reason "length")."""
+
+
+def complete_reply(message: BaseMessage) -> BaseMessage:
+    """The message as is when the model finished it; LengthCutError when the token budget cut it."""
+    finish = (getattr(message, "response_metadata", None) or {}).get("finish_reason")
+    if finish != "length":
+        return message
+    usage = getattr(message, "usage_metadata", None) or {}
+    spent = usage.get("output_tokens")
+    budget = f" after {spent} tokens (the max_tokens budget)" if spent is not None else ""
+    raise LengthCutError(f"the structured output was cut before it was complete: finish_reason='length'{budget}; "
+                         "raise max_tokens, or ask for a shorter object", llm_output=str(message.content)[:2000])
+
+
+def structured_chain(llm: Runnable, parser: Runnable, include_raw: bool) -> Runnable[Any, Any]:
+    """llm | (length check) | parser; with include_raw, {"raw", "parsed", "parsing_error"} where a cut
+    reply or a parse failure is the parsing_error and parsed is None."""
+    checked = RunnableLambda(complete_reply) | parser
+    if not include_raw:
+        return llm | checked
+    parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | checked, parsing_error=lambda _: None)
+    failed = RunnablePassthrough.assign(parsed=lambda _: None)
+    return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
