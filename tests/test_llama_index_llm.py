@@ -84,7 +84,7 @@ def test_stop_strings_and_per_call_overrides(llm, engine):
     assert stopped.message.content == free[:free.index(stop)]
     assert stopped.raw["kvboost"]["finish_reason"] == "stop"
     with pytest.raises(InputError, match="unknown arguments"):
-        llm.chat(HELLO, frequency_penalty=1.0)
+        llm.chat(HELLO, best_of=2)
 
 
 def test_messages_keep_parts_and_documents():

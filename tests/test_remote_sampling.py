@@ -70,3 +70,17 @@ def test_server_logprobs_come_back_on_deltas_and_the_generation():
     plain = ReplyState(0.0)
     assert type(plain.feed_completion(legacy.model_copy(update={"choices": [legacy.choices[0].model_copy(
         update={"logprobs": None})]}))) is str
+
+
+def test_llama_index_sends_its_controls_to_the_server():
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.base.llms.types import ChatMessage
+
+    from kvboost_integrations.llama_index import KVBoost
+    with FakeServer() as server:
+        llm = KVBoost(endpoint=server.url, max_new_tokens=5, repetition_penalty=1.2, timeout=30,
+                      additional_kwargs={"presence_penalty": 0.5, "logprobs": True})
+        llm.chat([ChatMessage(role="user", content="hi")])
+        body = next(r for r in server.requests if r["path"] == "/v1/chat/completions")
+        assert (body["repetition_penalty"], body["presence_penalty"], body["logprobs"]) == (1.2, 0.5, True)
+        assert "timeout_s" not in body

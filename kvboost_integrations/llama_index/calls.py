@@ -9,13 +9,14 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 
-from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse, MessageRole, TextBlock,
-                                              ToolCallBlock)
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse, LogProb, MessageRole,
+                                              TextBlock, ToolCallBlock)
 
 from kvboost_engine import Engine, Generation, GenerationStream, InputError
 from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream, document_reuse, generation_metadata
+from .._sampling import check_server
 from .._toolcalls import ToolCallSplitter, ToolFormat, add_tool_prompt, forced_tools, tool_format
 from ..remote import is_remote
 from .messages import to_engine_messages
@@ -32,8 +33,10 @@ class EngineCall:
 
     def __init__(self, get_engine: Callable[[], Engine], params: dict, *, chat: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
-                 tool_choice: str = "auto", grammar: Grammar | None = None, document_order: str = "relevance"):
+                 tool_choice: str = "auto", grammar: Grammar | None = None, document_order: str = "relevance",
+                 timeout: float | None = None):
         assert (chat is None) != (prompt is None)
+        self.timeout = timeout
         self.document_order = document_order
         self._documents_from_cache: int | None = None
         self._get_engine = get_engine
@@ -52,8 +55,11 @@ class EngineCall:
         engine = self._get_engine()
         self._model_name = engine.model_name
         if is_remote(engine):
+            check_server(engine.server_info().kind, self.params)
             return self._start_remote(engine)
         params = dict(self.params)
+        if self.timeout is not None:
+            params["timeout_s"] = self.timeout          # the engine cancels the request past it (queueing included)
         if self.grammar is not None:
             params["constraint"] = self.grammar
         if self.chat is None:
@@ -119,7 +125,8 @@ class ResponseShaper:
     Deltas give responses with the text so far (with tools, text from where a call begins is held
     back); the final Generation gives one more response whose `raw` holds `usage` (what
     TokenCountingHandler reads) and `kvboost` (our telemetry), `additional_kwargs` the same
-    telemetry flat, and whose message carries the parsed calls as ToolCallBlocks.
+    telemetry flat, and whose message carries the parsed calls as ToolCallBlocks. With logprobs,
+    each response's `logprobs` holds those of every token so far (cumulative, like its text).
     """
 
     def __init__(self, call: EngineCall):
@@ -127,6 +134,7 @@ class ResponseShaper:
         self.text = ""
         self._splitter: ToolCallSplitter | None = None
         self._calls: list[dict] = []
+        self._logprobs: list[list[LogProb]] | None = None
 
     def chat(self, item: str | Generation) -> ChatResponse:
         text, delta, raw, extra = self._step(item)
@@ -136,13 +144,25 @@ class ResponseShaper:
         elif isinstance(item, Generation):      # calls a server parsed (over an endpoint)
             blocks += [_call_block({**call, "args": call["arguments"]}) for call in getattr(item, "tool_calls", ())]
         message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
-        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
+        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra, logprobs=self._so_far())
 
     def completion(self, item: str | Generation) -> CompletionResponse:
         text, delta, raw, extra = self._step(item)
-        return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
+        return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra, logprobs=self._so_far())
+
+    def _so_far(self) -> list[list[LogProb]] | None:
+        return None if self._logprobs is None else list(self._logprobs)
+
+    def _note_logprobs(self, item: str | Generation) -> None:
+        """Deltas add their tokens' logprobs; the Generation has them all (those of held-back text too)."""
+        if isinstance(item, Generation):
+            if item.logprobs is not None:
+                self._logprobs = [token_logprobs(entry) for entry in item.logprobs]
+        elif getattr(item, "logprobs", None):
+            self._logprobs = (self._logprobs or []) + [token_logprobs(entry) for entry in item.logprobs]
 
     def _step(self, item: str | Generation) -> tuple[str, str, dict | None, dict]:
+        self._note_logprobs(item)
         if self._splitter is None and self.call.format is not None:
             self._splitter = ToolCallSplitter(self.call.format)
         if isinstance(item, str):
@@ -157,6 +177,15 @@ class ResponseShaper:
         usage.update(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens)
         text = self.text if self._splitter is not None else item.text
         return text, delta, {"usage": usage, "kvboost": telemetry}, telemetry
+
+
+def token_logprobs(entry: dict) -> list[LogProb]:
+    """One token's logprobs as LlamaIndex holds them: the chosen token first, then the other top ones."""
+    chosen = LogProb(token=entry["token"], logprob=entry["logprob"], bytes=entry.get("bytes") or [])
+    others = [LogProb(token=alt["token"], logprob=alt["logprob"], bytes=alt.get("bytes") or [])
+              for alt in entry.get("top_logprobs") or ()
+              if alt.get("token_id", alt["token"]) != entry.get("token_id", entry["token"])]
+    return [chosen, *others]
 
 
 def _call_block(call: dict) -> ToolCallBlock:

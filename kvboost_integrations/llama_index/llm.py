@@ -28,6 +28,7 @@ from kvboost_engine.constrained import JsonSchema
 
 from .._bridge import resolve_engine
 from .._options import check_arguments, engine_options
+from .._sampling import check_values
 from ..remote import RemoteEngine, connect
 from .calls import EngineCall, ResponseShaper, alast, last
 from .messages import ModelTokenizer, check_messages, to_engine_messages
@@ -35,7 +36,9 @@ from .tools import (chat_messages, keep_first_call, parse_structured, tool_choic
                     tool_specs)
 
 dispatcher = get_dispatcher(__name__)
-_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+_SAMPLING = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
+_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}     # OpenAI's names, per call too
 _LOCAL_OPTIONS = ("model", "device", "dtype", "cache_bytes", "chunk_tokens", "moved_reuse")
 DOCUMENT_ORDERS = ("relevance", "cache")
 
@@ -71,7 +74,32 @@ class KVBoost(FunctionCallingLLM):
     top_k: int = Field(default=0, ge=0, description="0 = no top-k cut.")
     stop: Optional[List[str]] = Field(default=None, description="Stop strings (never part of the output).")
     seed: Optional[int] = Field(default=None, description="Sampling seed.")
-    context_window: Optional[int] = Field(default=None, gt=0, description="Override of the model's context window.")
+    min_new_tokens: Optional[int] = Field(default=None, ge=0, description=(
+        "Tokens generated before an end-of-sequence token may end the reply (None/0: no minimum)."))
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, description=(
+        "transformers' definition: logits of tokens already in the prompt or the reply are divided by it "
+        "(multiplied when negative); > 1 discourages repeats. None/1.0: off."))
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, description=(
+        "OpenAI's definition: subtracted once from the logit of every token already in the reply."))
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, description=(
+        "OpenAI's definition: subtracted from a token's logit for each time it is in the reply."))
+    logit_bias: Optional[Dict[int, float]] = Field(default=None, description=(
+        "{token id: bias in [-100, 100]} added to the logits (-100 bans a token, 100 forces it)."))
+    logprobs: Optional[bool] = Field(default=None, description=(
+        "Each generated token's log-probability in ChatResponse.logprobs / CompletionResponse.logprobs: per "
+        "token a list of LogProb, the chosen token first, then the `top_logprobs` best others."))
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="With logprobs: alternatives per token.")
+    additional_kwargs: Dict[str, Any] = Field(default_factory=dict, description=(
+        "Sampling parameters for every call (any of the above by name, max_tokens/min_tokens too), over the "
+        "fields and under per-call keyword arguments; checked at construction."))
+    timeout: Optional[float] = Field(default=None, gt=0, description=(
+        "Seconds a request may take from the call (queueing included); past it the request is cancelled and "
+        "TimeoutError (RequestTimeoutError) raised. With `endpoint`, the servers' timeout."))
+    context_window: Optional[int] = Field(default=None, gt=0, description=(
+        "Tokens LlamaIndex may fill (prompt + answer); None: the model's context window. At most the model's."))
+    num_output: Optional[int] = Field(default=None, gt=0, description=(
+        "Tokens LlamaIndex reserves for the answer when it packs prompts (LLMMetadata.num_output); None: "
+        "max_new_tokens."))
     template_kwargs: Dict[str, Any] = Field(default_factory=dict, description="Extra chat-template variables.")
     device: Optional[str] = Field(default=None, description="Engine device; None: CUDA if present, else CPU.")
     dtype: Optional[str] = Field(default=None, description="Engine dtype, e.g. 'float32' or 'bfloat16'.")
@@ -105,6 +133,7 @@ class KVBoost(FunctionCallingLLM):
         super().__init__(**data)
         self._engine = engine
         self._custom_completion_to_prompt = data.get("completion_to_prompt") is not None
+        check_values(self._params({}))          # a bad value (or additional_kwargs name) fails here, not later
 
     @classmethod
     def class_name(cls) -> str:
@@ -115,7 +144,7 @@ class KVBoost(FunctionCallingLLM):
         """The engine behind this LLM (loaded on first use)."""
         if self._engine is None and self.endpoint is not None:
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
-                                   options=self.engine_kwargs,
+                                   timeout=self.timeout, options=self.engine_kwargs,
                                    document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
@@ -126,10 +155,16 @@ class KVBoost(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
+        """context_window and num_output as LlamaIndex packs prompts with them: the model's window
+        (or the smaller `context_window` given) and `num_output` (default: max_new_tokens)."""
         engine = self.engine
+        window = engine.context_window
+        if self.context_window is not None and self.context_window > window:
+            raise InputError(f"context_window={self.context_window} is beyond the model's context window of "
+                             f"{window} tokens")
         return LLMMetadata(
-            context_window=self.context_window or engine.context_window,
-            num_output=self.max_new_tokens,
+            context_window=self.context_window or window,
+            num_output=self.num_output or self.max_new_tokens,
             is_chat_model=True,
             is_function_calling_model=True,
             model_name=engine.model_name,
@@ -153,16 +188,18 @@ class KVBoost(FunctionCallingLLM):
 
     # ---- requests ----------------------------------------------------------------------
     def _params(self, overrides: dict) -> dict:
-        """Sampling parameters: the fields, overridden by per-call kwargs (None keeps the field)."""
-        extra = dict(overrides)
-        if "max_tokens" in extra:
-            extra["max_new_tokens"] = extra.pop("max_tokens")
-        unknown = sorted(set(extra) - set(_SAMPLING))
-        if unknown:
-            raise InputError(f"KVBoost got unknown arguments {unknown}; it accepts {', '.join(_SAMPLING)}, max_tokens")
+        """Sampling parameters (the one mapping): the fields, then `additional_kwargs`, then per-call
+        kwargs (None keeps what is below); unset controls are left to the engine's defaults."""
         params = {name: getattr(self, name) for name in _SAMPLING}
-        params.update({name: value for name, value in extra.items() if value is not None})
-        return params
+        for source, layer in (("additional_kwargs", self.additional_kwargs), ("call", overrides)):
+            extra = {_ALIASES.get(name, name): value for name, value in layer.items()}
+            unknown = sorted(set(extra) - set(_SAMPLING))
+            if unknown:
+                where = "in additional_kwargs " if source == "additional_kwargs" else ""
+                raise InputError(f"KVBoost got unknown arguments {where}{unknown}; it accepts "
+                                 f"{', '.join(_SAMPLING)}, max_tokens, min_tokens")
+            params.update({name: value for name, value in extra.items() if value is not None})
+        return {name: value for name, value in params.items() if value is not None}
 
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> EngineCall:
         check_messages(messages)
@@ -175,7 +212,7 @@ class KVBoost(FunctionCallingLLM):
             raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")
         return EngineCall(lambda: self.engine, self._params(kwargs), chat=list(messages),
                           template_kwargs=self.template_kwargs, tools=specs if choice != "none" else None,
-                          tool_choice=choice, grammar=grammar, document_order=order)
+                          tool_choice=choice, grammar=grammar, document_order=order, timeout=self.timeout)
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
         """`formatted` prompts (or a custom completion_to_prompt) go in as plain text; otherwise
@@ -184,7 +221,7 @@ class KVBoost(FunctionCallingLLM):
             raise InputError(f"complete() takes the prompt as a string, got {type(prompt).__name__} ({prompt!r:.60})")
         if formatted or self._custom_completion_to_prompt:
             text = prompt if formatted else self.completion_to_prompt(prompt)
-            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text)
+            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text, timeout=self.timeout)
         messages = self._extend_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
         return self._chat_call(messages, kwargs)
 
