@@ -28,3 +28,20 @@ def test_a_short_soak_refuses_nothing_that_fits_and_leaks_nothing(tmp_path):
     assert [s["requests"] for s in found["samples"]] == [16, 32, 48]
     assert found["content_entries"]["max"] >= found["content_entries"]["last"] >= 0
     assert found["content_entries"]["max"] > 0                    # the documents were indexed (moved_reuse="blend")
+
+
+def test_a_short_chaos_soak_ends_every_request_and_leaks_nothing(tmp_path):
+    """benchmarks/micro/chaos.py in small: scheduler faults at 5 % per seam call and a flaky remote
+    replica; every request ends (a result or a clear error), none hangs, no block leaks."""
+    from benchmarks.micro.chaos import run_chaos
+    model, tokenizer = tiny_model("llama", max_position_embeddings=1024), AutoTokenizer.from_pretrained(default_model_dir())
+    block_bytes = 16 * 2 * 2 * 2 * 16 * 4
+    engine = Engine(model, tokenizer, kv_pool_bytes=40 * block_bytes, cache_bytes=40 * block_bytes,
+                    disk_cache_dir=str(tmp_path))
+    found = run_chaos(engine, 60, 4, fault_rate=0.05, remote_share=0.3, replica_fault_rate=0.5, seed=2, every=20)
+    assert found["lost"] == 0 and found["hangs"] == 0 and found["other_errors"] == 0, found["examples"]
+    assert sum(found["outcomes"].values()) == 60 and found["leaked_blocks"] == 0
+    assert found["outcomes"].get("injected_error", 0) > 0 and sum(found["injected"].values()) > 0
+    assert found["outcomes"].get("remote_ok", 0) > 0 and sum(found["remote"]["flaky_faults"].values()) > 0
+    assert engine.chat([{"role": "user", "content": "Hi"}], max_new_tokens=3).completion_tokens >= 1
+    engine.close()

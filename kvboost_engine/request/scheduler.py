@@ -13,10 +13,9 @@ One that waits (a bounded queue, `max_waiting` beyond the free slots) gets a cle
 prompt continues a prompt still being prefilled waits for it to be stored, so concurrent chats
 over one system prompt hold its blocks once.
 
-Faults: an exception while handling one request (admission, prefill, settling a step, storing at
-the finish, cancelling) ends that request with the error and the others go on; an exception the
-loop cannot pin on one request ends every admitted request with a clear error, and the loop goes
-on with the waiting ones. A caller never waits on a dead thread.
+Faults: an exception while handling one request ends that request with it, the others go on; one
+the loop cannot pin on a request ends the admitted ones with a clear error. A caller never waits
+on a dead thread.
 """
 from __future__ import annotations
 
@@ -36,18 +35,10 @@ from .decode import Decoding, EngineParts, Request
 from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
     refuse as _refuse, run_task as _run_task
 from .openmp import release_thread_pool
+from .plan import Prefilling, plan_step
 from .prefill import Assembled, assemble, prefilled, repair
 
 log = logging.getLogger(__name__)
-
-
-class _Prefilling:
-    """A request whose prompt is computed chunk by chunk in batch steps."""
-
-    __slots__ = ("request", "assembled", "cursor")
-
-    def __init__(self, request: Request, assembled: Assembled):
-        self.request, self.assembled, self.cursor = request, assembled, assembled.start
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -70,7 +61,7 @@ class Scheduler:
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
         self.max_waiting, self.queue_timeout_s = max_waiting, queue_timeout_s
         self._waiting: deque[Request] = deque()
-        self._prefilling: list[_Prefilling] = []
+        self._prefilling: list[Prefilling] = []
         self._decoding: list[Decoding] = []
         self._tasks: deque[tuple] = deque()
         self._cond = threading.Condition()
@@ -238,7 +229,7 @@ class Scheduler:
 
     def _start(self, request: Request, assembled: Assembled) -> None:
         if not assembled.moved:
-            self._prefilling.append(_Prefilling(request, assembled))
+            self._prefilling.append(Prefilling(request, assembled))
             return
         try:                                                    # moved spans: the repair runs on its own
             done = repair(self.parts.prefill, assembled)
@@ -260,26 +251,8 @@ class Scheduler:
 
     # ---- steps --------------------------------------------------------------------------
     def _plan(self) -> tuple[list, list, list]:
-        """Who runs this step: every decoding request (one token each), then prompt chunks."""
-        owners, items, want = [], [], []
-        for decoding in self._decoding:
-            owners.append(decoding)
-            items.append(decoding.next_input())
-            want.append(True)
-        budget = self.max_batch_tokens - len(items)
-        # Shortest remaining prompt first: a short request arriving during a long prefill rides the
-        # next chunk's forward (its TTFT is one chunk, not the whole long prompt).
-        for pre in sorted(self._prefilling, key=lambda p: len(p.request.prompt) - p.cursor):
-            if budget <= 0:
-                break
-            n = len(pre.request.prompt)
-            take = min(budget, self.parts.prefill.config.prefill_chunk_tokens, n - pre.cursor)
-            owners.append(pre)
-            items.append((pre.assembled.sequence, pre.request.prompt.token_ids[pre.cursor:pre.cursor + take],
-                          pre.cursor))
-            want.append(pre.cursor + take == n)
-            budget -= take
-        return owners, items, want
+        return plan_step(self._decoding, self._prefilling, self.max_batch_tokens,
+                         self.parts.prefill.config.prefill_chunk_tokens)
 
     def _settle(self, owner, computed: int, logits) -> None:
         if isinstance(owner, Decoding):
