@@ -7,7 +7,7 @@ cache, the disk tier), model/ (the only code that knows transformers internals),
 from .config import EngineConfig
 from .engine import Engine
 from .errors import (BudgetError, ContextWindowError, InputError, KVBoostError, ModelNotFoundError,
-                     RequestTimeoutError, UnsupportedModelError)
+                     QueueFullError, RequestTimeoutError, UnsupportedModelError)
 from .instrument import FirstTokenEvent, ForwardEvent, Instruments
 from .registry import shared_engine
 from .request.generation import Generation, GenerationStream
@@ -17,6 +17,6 @@ from .request.prompt import Segment
 __all__ = [
     "Engine", "EngineConfig", "shared_engine", "Generation", "GenerationStream", "Segment", "TextDelta",
     "KVBoostError", "InputError", "ContextWindowError", "ModelNotFoundError",
-    "UnsupportedModelError", "BudgetError", "RequestTimeoutError", "Instruments", "ForwardEvent", "FirstTokenEvent",
+    "UnsupportedModelError", "BudgetError", "QueueFullError", "RequestTimeoutError", "Instruments", "ForwardEvent", "FirstTokenEvent",
 ]
 __version__ = "0.1.0"

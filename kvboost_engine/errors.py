@@ -25,5 +25,10 @@ class BudgetError(KVBoostError):
     """A memory budget cannot hold what was asked (for example, pinning more than the cache holds)."""
 
 
+class QueueFullError(BudgetError):
+    """The engine is busy: too many requests wait for a running slot (`max_waiting`), or one waited
+    longer than `queue_timeout_s`. Retrying later can succeed (a server answers 429)."""
+
+
 class RequestTimeoutError(KVBoostError, TimeoutError):
     """A request's own timeout passed before its result came (the request is cancelled)."""

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..errors import BudgetError, KVBoostError
+from ..errors import BudgetError, KVBoostError, QueueFullError
 from .admission import check_fits_alone, continues_a_prefill
 from .decode import Decoding, EngineParts, Request
 from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
@@ -77,7 +77,7 @@ class Scheduler:
             self._check_open()
             free_slots = max(0, self.max_running - self.active)
             if len(self._waiting) >= self.max_waiting + free_slots:
-                raise BudgetError(f"{len(self._waiting)} requests are already waiting for a running slot or KV "
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting for a running slot or KV "
                                   f"room (max_waiting={self.max_waiting}, max_running={self.max_running}); "
                                   "try again later")
             self._waiting.append(request)
@@ -217,7 +217,7 @@ class Scheduler:
             for request in expired:
                 self._waiting.remove(request)
         for request in expired:
-            _refuse(request, BudgetError(f"every running slot stayed busy (max_running={self.max_running})"),
+            _refuse(request, QueueFullError(f"every running slot stayed busy (max_running={self.max_running})"),
                     waited=now - request.started)
 
     def _pop(self, request: Request) -> None:

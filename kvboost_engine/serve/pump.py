@@ -1,0 +1,70 @@
+"""An engine stream read on its own thread and handed to the event loop, event by event.
+
+The engine's `GenerationStream` blocks between tokens; the event loop must not. `Pump` reads the
+stream on a thread of its own (one per request; the engine refuses requests beyond its queue, which
+bounds them) and passes ("delta", text), ("end", Generation) or ("error", exception) to an asyncio
+queue. `cancel()` stops the request in the engine (from the loop, at once); the thread then reads
+the stream to its end, so the request's KV is stored and its blocks are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from ..request.generation import Generation, GenerationStream
+
+POLL_S = 0.25           # how often a wait for the next event checks whether the client is still there
+
+
+class Pump:
+    """Events of one engine stream, awaited from the event loop."""
+
+    def __init__(self, stream: GenerationStream, started: float):
+        self.stream = stream
+        self.started = started
+        self.first_at: float | None = None
+        self.generation: Generation | None = None
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvboost-serve-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for delta in self.stream:
+                self._put(("delta", delta))
+            self._put(("end", self.stream.generation))
+        except BaseException as err:  # noqa: BLE001 - handed to the request's handler
+            self._put(("error", err))
+
+    def _put(self, event: tuple) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:            # the loop is gone (the server stopped): nobody reads any more
+            self.stream.cancel()
+
+    async def next(self, gone=None) -> tuple:
+        """The next event; `gone` (an async callable) is asked every POLL_S whether the client left,
+        and if it did the request is cancelled and ("gone", None) returned."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if gone is not None and await gone():
+                    self.cancel()
+                    return ("gone", None)
+                continue
+            if event[0] == "end":
+                self.generation = event[1]
+            return event
+
+    def cancel(self) -> None:
+        """Stop the request (the thread finishes reading; KV stored, blocks freed)."""
+        self.stream.cancel()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the reading thread (tests and shutdown)."""
+        self._thread.join(timeout)

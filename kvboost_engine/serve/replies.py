@@ -1,0 +1,108 @@
+"""Response bodies in OpenAI's formats: chat.completion, chat.completion.chunk, text_completion,
+usage (with `prompt_tokens_details.cached_tokens`), errors; and server-sent-event framing."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from ..request.generation import Generation
+
+
+class Reply:
+    """Builds the bodies of one request's reply (one id and creation time for all its chunks)."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # ---- whole replies ------------------------------------------------------------------
+    def complete(self, gen: Generation) -> dict:
+        """The non-streamed reply."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
+                      "logprobs": chat_logprobs(gen.logprobs), "finish_reason": finish_reason(gen)}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage(gen)}
+        choice = {"index": 0, "text": gen.text, "logprobs": completion_logprobs(gen.logprobs),
+                  "finish_reason": finish_reason(gen)}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(gen)}
+
+    # ---- streamed chunks ----------------------------------------------------------------
+    def first_chunk(self) -> dict | None:
+        """A chat stream opens with the assistant role (OpenAI's first chunk); completions do not."""
+        if self.kind != "chat":
+            return None
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def delta_chunk(self, text: str) -> dict:
+        """A chunk carrying a text delta (and its tokens' logprobs when the delta has them)."""
+        entries = getattr(text, "logprobs", None)
+        if self.kind == "chat":
+            return self._chunk({"content": str(text)}, None, chat_logprobs(entries))
+        return self._completion_chunk(str(text), None, completion_logprobs(entries))
+
+    def final_chunk(self, gen: Generation) -> dict:
+        """The chunk with the finish_reason (no text)."""
+        if self.kind == "chat":
+            return self._chunk({}, finish_reason(gen))
+        return self._completion_chunk("", finish_reason(gen))
+
+    def usage_chunk(self, gen: Generation) -> dict:
+        """stream_options.include_usage: a last chunk with no choices and the usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage(gen)}
+
+    def _chunk(self, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def _completion_chunk(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+
+def finish_reason(gen: Generation) -> str:
+    """OpenAI's finish_reason: "length" when max_tokens cut the reply, else "stop"."""
+    return "length" if gen.finish_reason == "length" else "stop"
+
+
+def usage(gen: Generation) -> dict:
+    """Token counts; cached_tokens are the prompt tokens whose KV came from the cache (exact and moved)."""
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.reused_tokens, "cached_exact_tokens": gen.reused_exact,
+                                      "cached_moved_tokens": gen.reused_moved}}
+
+
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """Our logprob entries (already OpenAI's chat items) as a choice's `logprobs`."""
+    return None if entries is None else {"content": entries}
+
+
+def completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """Our logprob entries in the completions API's legacy format."""
+    if entries is None:
+        return None
+    offsets, at = [], 0
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
+            "text_offset": offsets}
+
+
+def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the end)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,201 @@
+"""Our OpenAI-compatible server (kvboost_engine.serve) with unmodified clients: the openai package,
+LangChain's ChatOpenAI and our ChatKVBoost(endpoint=...); replies token-exact with the engine's own;
+cached tokens; the hygiene (401, 400, 413, 429, 503 while draining, a client that leaves)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from kvboost_engine import Engine  # noqa: E402
+from kvboost_engine.serve import Server, create_app  # noqa: E402
+
+KEY = "test-key"
+MODEL = "smol"
+SYSTEM = "You are a helpful assistant. Answer in one short sentence. " * 4
+QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smol):
+    engine = Engine(*smol, cache_bytes=256 * 2**20)
+    with Server(create_app(engine, model_name=MODEL, api_key=KEY)) as server:
+        yield engine, server
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1].url, api_key=KEY, max_retries=0)
+
+
+def _post(server, path, body, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, headers=headers, timeout=60, **kwargs, **(
+        {"json": body} if not isinstance(body, (bytes, str)) else {"content": body}))
+
+
+def test_chat_greedy_equals_engine_and_reports_cached_tokens(served, client):
+    engine, _ = served
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+    direct = engine.chat(QUESTION, max_new_tokens=12)
+    assert first.choices[0].message.content == direct.text
+    assert first.choices[0].finish_reason == ("length" if direct.finish_reason == "length" else "stop")
+    again = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+    assert again.choices[0].message.content == direct.text
+    assert again.usage.prompt_tokens == direct.prompt_tokens
+    assert again.usage.completion_tokens == direct.completion_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_stream_with_usage(served, client):
+    engine, _ = served
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=10,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert text == engine.chat(QUESTION, max_new_tokens=10).text
+
+
+def test_completions_and_models(served, client):
+    engine, _ = served
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=6)
+    assert reply.choices[0].text == engine.generate("The capital of France is", max_new_tokens=6).text
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                         max_tokens=6, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == engine.context_window
+
+
+def test_documents_and_json_schema(served, client):
+    engine, _ = served
+    messages = [{"role": "user", "content": [{"type": "document", "text": "Paris is the capital of France."},
+                                             {"type": "text", "text": "What is the capital of France?"}]}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content == engine.chat(messages, max_new_tokens=8).text
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert set(json.loads(shaped.choices[0].message.content)) == {"city"}
+
+
+def test_langchain_chat_openai_and_chat_kvboost(served):
+    from langchain_openai import ChatOpenAI
+
+    from kvboost_integrations.langchain import ChatKVBoost
+    engine, server = served
+    expected = engine.chat(QUESTION, max_new_tokens=8).text
+    theirs = ChatOpenAI(base_url=server.url, api_key=KEY, model=MODEL, temperature=0, max_tokens=8, max_retries=0)
+    assert theirs.invoke(QUESTION).content == expected
+    assert "".join(chunk.content for chunk in theirs.stream(QUESTION)) == expected
+    ours = ChatKVBoost(endpoint=server.url, api_key=KEY, max_tokens=8, temperature=0.0)
+    reply = ours.invoke(QUESTION)
+    assert reply.content == expected
+    assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+    ours.get_engine().close()
+
+
+def test_api_key_bad_json_unknown_field_and_size(served):
+    _, server = served
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    assert _post(server, "/chat/completions", body, key=None).status_code == 401
+    assert _post(server, "/chat/completions", body, key="wrong").status_code == 401
+    bad = _post(server, "/chat/completions", b"{not json")
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    unknown = _post(server, "/chat/completions", {**body, "frobnicate": 1})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "frobnicate"
+    wrong = _post(server, "/chat/completions", {**body, "temperature": "hot"})
+    assert wrong.status_code == 400 and "temperature" in wrong.json()["error"]["message"]
+    tools = _post(server, "/chat/completions", {**body, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
+    assert _post(server, "/chat/completions", {**body, "model": "other"}).status_code == 404
+    too_long = _post(server, "/chat/completions", {**body, "max_tokens": 10**6})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    big = _post(server, "/chat/completions", b"x" * (9 * 2**20))
+    assert big.status_code == 413
+    assert httpx.get(server.url[:-3] + "/health").json() == {"status": "ok"}
+
+
+def test_metrics(served, client):
+    _, server = served
+    client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
+    client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
+    text = httpx.get(server.url[:-3] + "/metrics").text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['kvboost_requests_total{route="chat",status="200"}'] >= 2
+    assert values['kvboost_cached_tokens_total{kind="exact"}'] > 0
+    assert values["kvboost_generation_tokens_total"] > 0
+    assert values["kvboost_time_to_first_token_seconds_count"] >= 2
+    assert values["kvboost_requests_waiting"] == 0 and values["kvboost_requests_running"] == 0
+
+
+def _read_some(server, body, deltas: int, done: threading.Event | None = None) -> list[str]:
+    """Open a stream, read `deltas` content events, then leave (close the connection)."""
+    got = []
+    with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                got.append(line)
+                if len(got) >= deltas:
+                    if done is None:
+                        break
+                    done.wait(60)
+    return got
+
+
+def _wait_free(engine, timeout_s=30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while engine.cache.pool.usage()["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.cache.pool.usage()["in_use"]
+
+
+def test_client_disconnect_frees_blocks(served):
+    engine, server = served
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": True}
+    assert len(_read_some(server, body, 2)) == 2
+    assert _wait_free(engine) == 0
+
+
+@pytest.fixture
+def tight(smol):
+    """One running slot, no queue: a second request while one runs is refused."""
+    engine = Engine(*smol, cache_bytes=64 * 2**20, max_running=1, max_waiting=0)
+    server = Server(create_app(engine, model_name=MODEL, api_key=KEY), drain_timeout_s=30).start()
+    yield engine, server
+    server.stop(30)
+    engine.close()
+
+
+def test_queue_full_429_and_drain(tight):
+    engine, server = tight
+    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "temperature": 0.8, "seed": 2, "stream": True}
+    release, results = threading.Event(), []
+    reader = threading.Thread(target=lambda: results.append(_read_some(server, long, 1, release)))
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not engine.cache.pool.usage()["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    busy = _post(server, "/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2})
+    assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+    assert busy.json()["error"]["code"] == "queue_full"
+    server.drain()                                      # as SIGTERM: new requests refused, in-flight ones finish
+    release.set()
+    reader.join(60)
+    assert results and len(results[0]) >= 1
+    assert _wait_free(engine) == 0
