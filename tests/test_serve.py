@@ -143,22 +143,23 @@ def test_metrics(served, client):
 
 
 def _read_some(server, body, deltas: int, done: threading.Event | None = None) -> list[str]:
-    """Open a stream, read `deltas` content events, then leave (close the connection)."""
+    """Open a stream and read `deltas` content events; then leave (close the connection), or with
+    `done`, wait for it and read on to the end. Returns the events read."""
     got = []
     with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
-            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+            if line.startswith("data: "):
                 got.append(line)
-                if len(got) >= deltas:
-                    if done is None:
-                        break
-                    done.wait(60)
+            if sum('"content":"' in event and '"content":""' not in event for event in got) == deltas:
+                if done is None:
+                    break
+                done.wait(60)
     return got
 
 
-def _wait_free(engine, timeout_s=30.0) -> int:
+def _wait_free(engine, timeout_s=5.0) -> int:
     deadline = time.monotonic() + timeout_s
     while engine.cache.pool.usage()["in_use"] and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -167,9 +168,12 @@ def _wait_free(engine, timeout_s=30.0) -> int:
 
 def test_client_disconnect_frees_blocks(served):
     engine, server = served
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": True}
-    assert len(_read_some(server, body, 2)) == 2
-    assert _wait_free(engine) == 0
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1000, "temperature": 0.8, "seed": 1,
+            "stream": True, "min_tokens": 1000}
+    generated = engine.stats()["generated_tokens"]
+    _read_some(server, body, 2)
+    assert _wait_free(engine) == 0                      # 1000 tokens would take far longer than 5 s
+    assert engine.stats()["generated_tokens"] - generated < 200
 
 
 @pytest.fixture
@@ -184,7 +188,8 @@ def tight(smol):
 
 def test_queue_full_429_and_drain(tight):
     engine, server = tight
-    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "temperature": 0.8, "seed": 2, "stream": True}
+    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 40, "min_tokens": 40, "temperature": 0.8, "seed": 2,
+            "stream": True}
     release, results = threading.Event(), []
     reader = threading.Thread(target=lambda: results.append(_read_some(server, long, 1, release)))
     reader.start()
@@ -195,7 +200,24 @@ def test_queue_full_429_and_drain(tight):
     assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
     assert busy.json()["error"]["code"] == "queue_full"
     server.drain()                                      # as SIGTERM: new requests refused, in-flight ones finish
+    time.sleep(0.3)
+    with pytest.raises(httpx.ConnectError):             # no longer listening
+        _post(server, "/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2})
     release.set()
     reader.join(60)
-    assert results and len(results[0]) >= 1
+    assert results and results[0][-1] == "data: [DONE]"
+    finish = json.loads(results[0][-2][6:])["choices"][0]["finish_reason"]
+    assert finish == "length"                           # all 40 tokens, not cut by the shutdown
     assert _wait_free(engine) == 0
+
+
+def test_draining_app_answers_503(served):
+    _, server = served
+    state = server.app.state.kvboost
+    state.draining = True
+    try:
+        refused = _post(server, "/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2})
+        assert refused.status_code == 503
+        assert httpx.get(server.url[:-3] + "/health").status_code == 503
+    finally:
+        state.draining = False
