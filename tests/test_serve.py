@@ -221,3 +221,51 @@ def test_draining_app_answers_503(served):
         assert httpx.get(server.url[:-3] + "/health").status_code == 503
     finally:
         state.draining = False
+
+
+def test_logprobs(served, client):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
+                                           logprobs=True, top_logprobs=2)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == 5 and all(len(e.top_logprobs) == 2 for e in entries)
+    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
+                                              logprobs=True, stream=True)
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in entries]
+
+
+def test_command_line_serves_and_drains_on_sigterm(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**__import__("os").environ, "KVBOOST_API_KEY": KEY}
+    process = subprocess.Popen([sys.executable, "-m", "kvboost_engine.serve", "--port", str(port), "--max-running",
+                                "2", "--cache-bytes", "64MiB", "--log-level", "warning"], env=env,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
