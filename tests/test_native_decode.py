@@ -122,6 +122,27 @@ def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory):
 
 
 @needs_cpu
+@pytest.mark.parametrize("weights", ["int4", "float"])
+def test_a_step_gives_the_same_numbers_on_any_number_of_threads(tmp_path, weights):
+    """A step that starts while other decoders' steps run takes fewer threads (decode.cpp, Team), so
+    its numbers must not depend on the split; 3 threads on this machine's 2 cores also meet at the
+    barrier while one of them is descheduled."""
+    model = int4_model("qwen2", tmp_path) if weights == "int4" else tiny_model("qwen2", seed=5, **WIDE)
+    adapter = ModelAdapter(model)
+    forward = Forward(adapter)
+    runs = []
+    for threads in (1, 2, 3):
+        decoder, reason = native_decoder(adapter, threads=threads)
+        assert decoder is not None, reason
+        kv = _contiguous(adapter)
+        with torch.inference_mode():
+            forward(kv, PROMPT, 0)
+            runs.append(torch.stack([decoder(kv, token, len(PROMPT) + n) for n, token in enumerate(PROMPT[:6])]))
+        decoder.close()
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+@needs_cpu
 def test_engine_uses_it_by_default_and_off_on_request(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
     model = int4_model("llama", tmp_path)

@@ -9,9 +9,14 @@
 // Plain C ABI (loaded with ctypes; no PyTorch headers): the caller keeps every tensor alive and
 // passes raw pointers. Written for kvboost (kvboost_engine/native/decoder.py gives the layouts).
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -179,38 +184,94 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
+// short spin once a process has more OpenMP threads than cores (a second thread that ran PyTorch
+// ops is enough), which made a step of ~300 barriers 50 % slower on a thread other than the main one.
+// Ours spins, but only for a while: a spin with no end stalled whenever a thread of the team was
+// descheduled (more runnable threads than cores: two engines decoding at once in one process ran
+// 23x slower), since the waiters held the cores it needed to arrive. So a waiter spins (threads
+// normally arrive within microseconds of each other), then yields its core (a wait of a few hundred
+// microseconds costs no wake-up; a descheduled thread on this core runs), then sleeps on a futex.
+class Barrier {
+ public:
+  // All `n` threads meet here.
+  void wait(int n) {
+    if (n == 1) return;
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
+    } else {
+      wait_past(gen);
+    }
+  }
+
+ private:
+  static constexpr auto SPIN_FOR = std::chrono::microseconds(50);       // then yield
+  static constexpr auto SLEEP_AFTER = std::chrono::microseconds(1000);  // of spins and yields
+
+  bool passed(int gen) const { return gen_.load(std::memory_order_acquire) != gen; }
+
+  void wait_past(int gen) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    for (int i = 1; !passed(gen); ++i) {
+      _mm_pause();
+      if (i % 64 == 0 && clock::now() - start > SPIN_FOR) break;
+    }
+    while (!passed(gen) && clock::now() - start < SLEEP_AFTER) sched_yield();
+    // seq_cst on sleepers_ and gen_ on both sides: either the releaser sees this sleeper and wakes
+    // it, or this thread sees the new generation (and the kernel checks gen_ again as it sleeps).
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (gen_.load(std::memory_order_seq_cst) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  // FUTEX_WAIT returns at once when gen_ != value, on a wake, or spuriously (the caller loops).
+  void futex(int op, int value) {
+    syscall(SYS_futex, reinterpret_cast<int*>(&gen_), op, value, nullptr, nullptr, 0);
+  }
+  static_assert(sizeof(std::atomic<int>) == sizeof(int) && std::atomic<int>::is_always_lock_free,
+                "the futex word is the atomic's own int");
+
+  std::atomic<int> count_{0};
+  std::atomic<int> gen_{0};
+  std::atomic<int> sleepers_{0};    // threads in (or about to enter) FUTEX_WAIT
+};
+
+// Native steps running now in this process, over every decoder: the cores belong to the process,
+// not to one decoder (the one piece of state the decoders share).
+std::atomic<int>& steps_running() {
+  static std::atomic<int> count{0};
+  return count;
+}
+
 // Threads: a step is one OpenMP parallel region of the calling thread's own team (the libgomp
-// PyTorch already loaded, so its ops and this step share one set of threads). The stages inside
-// meet at a spin barrier of our own: libgomp's barrier sleeps on a futex after a short spin once
-// a process has more OpenMP threads than cores (a second thread that ran PyTorch ops is enough),
-// which made a step of ~300 barriers 50 % slower on a thread other than the main one.
+// PyTorch already loaded, so its ops and this step share one set of threads). A step that starts
+// while other decoders' steps run takes its share of the team (size / steps running, at least 1):
+// two engines decoding at once on 2 cores then run one thread each, with no barrier to wait at,
+// instead of 4 threads on 2 cores meeting ~300 times a step. Every output row, tile and head is
+// computed by one thread whatever the split, so the numbers do not depend on it.
 class Team {
  public:
   explicit Team(int n) : n_(std::max(n, 1)) {}
   int size() const { return n_; }
 
-  // job(thread id, threads) on every thread of the team
+  // job(thread id, threads) on every thread of the step's team
   void run(const std::function<void(int, int)>& job) {
-#pragma omp parallel num_threads(n_)
+    const int running = steps_running().fetch_add(1, std::memory_order_relaxed) + 1;
+    const int threads = std::max(1, n_ / running);
+#pragma omp parallel num_threads(threads)
     job(omp_get_thread_num(), omp_get_num_threads());
+    steps_running().fetch_sub(1, std::memory_order_relaxed);
   }
 
-  // All `n` threads of the step meet here.
-  void barrier(int n) {
-    if (n == 1) return;
-    int gen = bar_gen_.load(std::memory_order_acquire);
-    if (bar_count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
-      bar_count_.store(0, std::memory_order_relaxed);
-      bar_gen_.fetch_add(1, std::memory_order_acq_rel);
-    } else {
-      while (bar_gen_.load(std::memory_order_acquire) == gen) _mm_pause();
-    }
-  }
+  void barrier(int n) { barrier_.wait(n); }
 
  private:
   int n_;
-  std::atomic<int> bar_count_{0};
-  std::atomic<int> bar_gen_{0};
+  Barrier barrier_;
 };
 
 struct Decoder {
