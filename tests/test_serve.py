@@ -21,6 +21,10 @@ KEY = "test-key"
 MODEL = "smol"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence. " * 4
 QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +122,10 @@ def test_api_key_bad_json_unknown_field_and_size(served):
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "frobnicate"
     wrong = _post(server, "/chat/completions", {**body, "temperature": "hot"})
     assert wrong.status_code == 400 and "temperature" in wrong.json()["error"]["message"]
-    tools = _post(server, "/chat/completions", {**body, "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
+    tools = _post(server, "/chat/completions", {**body, "tools": [{"type": "function", "function": {"nom": "f"}}]})
+    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools[0]"
+    choice = _post(server, "/chat/completions", {**body, "tools": [WEATHER], "tool_choice": "get_time"})
+    assert choice.status_code == 400 and choice.json()["error"]["param"] == "tool_choice"
     assert _post(server, "/chat/completions", {**body, "model": "other"}).status_code == 404
     too_long = _post(server, "/chat/completions", {**body, "max_tokens": 10**6})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
@@ -269,3 +275,46 @@ def test_command_line_serves_and_drains_on_sigterm(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_forced_tool_call_matches_chat_kvboost(served, client):
+    from kvboost_integrations.langchain import ChatKVBoost
+    engine, server = served
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=40,
+                                           tools=[WEATHER], tool_choice=forced)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    local = ChatKVBoost(engine=engine, max_tokens=40).bind_tools([WEATHER], tool_choice="get_weather")
+    assert local.invoke(ASK_WEATHER).tool_calls[0]["args"] == json.loads(call.function.arguments)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=40,
+                                                 tools=[WEATHER], tool_choice="required", stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert calls and calls[0][0].function.name == "get_weather"
+    assert json.loads(calls[0][0].function.arguments) == json.loads(call.function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_tool_result_turn_and_chat_openai_tools(served, client):
+    from langchain_openai import ChatOpenAI
+    engine, server = served
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees"}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=12,
+                                           tools=[WEATHER])
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from kvboost_integrations.langchain import ChatKVBoost
+    same = [HumanMessage(ASK_WEATHER[0]["content"]),
+            AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_1"}]),
+            ToolMessage("Sunny, 24 degrees", tool_call_id="call_1")]
+    local = ChatKVBoost(engine=engine, max_tokens=12).bind_tools([WEATHER]).invoke(same)
+    assert reply.usage.prompt_tokens == local.usage_metadata["input_tokens"]
+    assert (reply.choices[0].message.content or "") == local.content
+    theirs = ChatOpenAI(base_url=server.url, api_key=KEY, model=MODEL, temperature=0, max_tokens=40, max_retries=0)
+    message = theirs.bind_tools([WEATHER], tool_choice="get_weather").invoke(ASK_WEATHER)
+    assert message.tool_calls[0]["name"] == "get_weather" and set(message.tool_calls[0]["args"]) == {"city"}

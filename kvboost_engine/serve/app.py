@@ -1,7 +1,7 @@
 """The ASGI application: one engine behind OpenAI's HTTP API (starlette).
 
-Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with
-`stream: true`), GET /v1/models, /health, /metrics. The engine's blocking calls run off the event
+Routes: POST /v1/chat/completions (tools included, see tools.py) and /v1/completions (JSON, or
+server-sent events with `stream: true`), GET /v1/models, /health, /metrics. The engine's blocking calls run off the event
 loop (the call that tokenizes and submits on a worker thread, the stream read by a `Pump`).
 
 Hygiene: an API key (Bearer) guards /v1/* when set (401); bodies over `max_body_bytes` get 413;
@@ -32,6 +32,7 @@ from .metrics import Metrics, kv_bytes
 from .protocol import BadRequest, Call, engine_parameters, parse_chat, parse_completion
 from .pump import Pump
 from .replies import Reply, error_body, sse
+from .tools import ToolReply, prepare_tools
 
 MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_S = 1
@@ -114,6 +115,7 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
         if call.model not in (None, state.model_name):
             raise BadRequest(f"model {call.model!r} is not served here; this server serves {state.model_name!r}",
                              "model", status=404)
+        fmt = prepare_tools(call, call.tools, call.tool_choice, state.engine.tokenizer) if kind == "chat" else None
         stream = await run_in_threadpool(_start, state.engine, call)
     except Exception as err:  # noqa: BLE001 - mapped to a status; unknown ones are a 500
         return error_response(err, state)
@@ -124,7 +126,7 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
     if event[0] in ("error", "gone"):
         state.metrics.finished(None)
         return error_response(event[1], state) if event[0] == "error" else Response(status_code=499)
-    reply = Reply(kind, state.model_name)
+    reply = Reply(kind, state.model_name, ToolReply(fmt) if fmt is not None else None)
     if call.stream:
         def close() -> None:            # however the response ends: a client that left stops its request
             pump.cancel()
@@ -161,13 +163,14 @@ async def _events(pump: Pump, event: tuple, reply: Reply, call: Call):
         if first is not None:
             yield sse(first)
         while event[0] == "delta":
-            if event[1]:
-                yield sse(reply.delta_chunk(event[1]))
+            for chunk in reply.delta_chunks(event[1]) if event[1] else ():
+                yield sse(chunk)
             event = await pump.next()
         if event[0] == "error":
             yield sse(error_body(str(event[1]) or type(event[1]).__name__, kind="server_error"))
             return
-        yield sse(reply.final_chunk(pump.generation))
+        for chunk in reply.end_chunks(pump.generation):
+            yield sse(chunk)
         if call.include_usage:
             yield sse(reply.usage_chunk(pump.generation))
         yield sse("[DONE]")

@@ -54,6 +54,8 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    tools: list | None = None       # chat: OpenAI's tools and tool_choice, as sent (see tools.py)
+    tool_choice: object = None
 
 
 def engine_parameters() -> frozenset[str]:
@@ -69,10 +71,8 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
         raise BadRequest("messages must be a non-empty list of message objects", "messages")
     for i, message in enumerate(messages):
         _check_message(message, f"messages[{i}]")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        raise BadRequest("tools are not supported by this server yet; describe the tools in the prompt, or use "
-                         "the embedded engine's framework classes (bind_tools)", "tools")
     call = _common(body, "chat", messages, accepted)
+    call.tools, call.tool_choice = body.get("tools"), body.get("tool_choice")
     call.template_kwargs = _optional_object(body, "chat_template_kwargs")
     constraint = response_constraint(body.get("response_format"))
     if constraint is not None:

@@ -12,9 +12,10 @@ from ..request.generation import Generation
 class Reply:
     """Builds the bodies of one request's reply (one id and creation time for all its chunks)."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, tools=None):
         self.kind = kind
         self.model = model
+        self.tools = tools              # a tools.ToolReply when the model may call tools
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -25,8 +26,14 @@ class Reply:
     def complete(self, gen: Generation) -> dict:
         """The non-streamed reply."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
-                      "logprobs": chat_logprobs(gen.logprobs), "finish_reason": finish_reason(gen)}
+            message, finish = {"role": "assistant", "content": gen.text}, finish_reason(gen)
+            if self.tools is not None:
+                shown = self.tools.feed(gen.text)
+                rest, calls = self.tools.finish(cut=gen.finish_reason == "length")
+                message["content"] = (shown + rest) or (None if calls else "")
+                if calls:
+                    message["tool_calls"], finish = calls, "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": chat_logprobs(gen.logprobs), "finish_reason": finish}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(gen)}
         choice = {"index": 0, "text": gen.text, "logprobs": completion_logprobs(gen.logprobs),
                   "finish_reason": finish_reason(gen)}
@@ -39,18 +46,29 @@ class Reply:
             return None
         return self._chunk({"role": "assistant", "content": ""}, None)
 
-    def delta_chunk(self, text: str) -> dict:
-        """A chunk carrying a text delta (and its tokens' logprobs when the delta has them)."""
+    def delta_chunks(self, text: str) -> list[dict]:
+        """The chunks for a text delta (its tokens' logprobs with it when it has them); none while
+        text that may begin a tool call is held back."""
         entries = getattr(text, "logprobs", None)
-        if self.kind == "chat":
-            return self._chunk({"content": str(text)}, None, chat_logprobs(entries))
-        return self._completion_chunk(str(text), None, completion_logprobs(entries))
+        if self.kind != "chat":
+            return [self._completion_chunk(str(text), None, completion_logprobs(entries))]
+        if self.tools is not None:
+            text = self.tools.feed(str(text))
+        return [self._chunk({"content": str(text)}, None, chat_logprobs(entries))] if text or entries else []
 
-    def final_chunk(self, gen: Generation) -> dict:
-        """The chunk with the finish_reason (no text)."""
-        if self.kind == "chat":
-            return self._chunk({}, finish_reason(gen))
-        return self._completion_chunk("", finish_reason(gen))
+    def end_chunks(self, gen: Generation) -> list[dict]:
+        """The chunks after the last delta: held-back text, the tool calls, then the finish_reason."""
+        if self.kind != "chat":
+            return [self._completion_chunk("", finish_reason(gen))]
+        chunks, finish = [], finish_reason(gen)
+        if self.tools is not None:
+            rest, calls = self.tools.finish(cut=gen.finish_reason == "length")
+            if rest:
+                chunks.append(self._chunk({"content": rest}, None))
+            if calls:
+                chunks.append(self._chunk({"tool_calls": calls}, None))
+                finish = "tool_calls"
+        return [*chunks, self._chunk({}, finish)]
 
     def usage_chunk(self, gen: Generation) -> dict:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
