@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 
 from kvboost_engine import Engine, Generation  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM, document_block  # noqa: E402
-from kvboost_integrations.langchain.chat_models import _Reply  # noqa: E402
+from kvboost_integrations.langchain.reply import ChatReply as _Reply  # noqa: E402
 from kvboost_integrations.langchain.messages import to_engine_messages  # noqa: E402
 from kvboost_integrations._toolcalls import HERMES, ToolCallSplitter  # noqa: E402
 from kvboost_integrations.langchain.tools import parse_tool_calls  # noqa: E402

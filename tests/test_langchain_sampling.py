@@ -13,7 +13,7 @@ from pydantic import ValidationError  # noqa: E402
 from kvboost_engine import Engine, ForwardEvent  # noqa: E402
 from kvboost_integrations._toolcalls import HERMES  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM  # noqa: E402
-from kvboost_integrations.langchain.chat_models import _Reply  # noqa: E402
+from kvboost_integrations.langchain.reply import ChatReply as _Reply  # noqa: E402
 from kvboost_engine import Generation  # noqa: E402
 from kvboost_integrations._toolcalls import ToolCallSplitter  # noqa: E402
 

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
@@ -15,18 +15,18 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from kvboost_engine import Generation, GenerationStream
+from kvboost_engine import GenerationStream
 from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream_timeout, iter_stream
-from .._logprobs import LogprobTrail
+from .._reasoning import ThinkingSplitter, opens_thinking, thinking_kwargs
 from .._sampling import check_server
 from .._toolcalls import ToolCallSplitter, add_tool_prompt, forced_tools, normalize_tool_choice, tool_format
 from ..remote import is_remote
-from ._settings import KVBoostSettings, response_metadata, usage_metadata
+from ._settings import KVBoostSettings
 from .messages import to_engine_messages
+from .reply import ChatReply
 from .structured import structured_chain
-from .tools import tool_call_chunks
 
 
 class ChatKVBoost(KVBoostSettings, BaseChatModel):
@@ -46,7 +46,16 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         ```
     """
 
-    _bind_only: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+    _bind_only: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
+                                             "reasoning")
+
+    reasoning: bool | None = None
+    """Reasoning models (a chat template with a thinking switch, as Qwen3's `enable_thinking`):
+    True thinks and puts the thinking in `additional_kwargs["reasoning_content"]` (streamed too),
+    apart from the answer in `content`; False turns thinking off; None (default) leaves the
+    template's default and the text as the model writes it. Also a per-call argument. A model
+    whose template has no switch refuses True/False. Earlier turns' `reasoning_content` goes
+    back to the template, which keeps or drops it (Qwen3 keeps it only after the last question)."""
 
     @property
     def _llm_type(self) -> str:
@@ -67,12 +76,13 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         choice = normalize_tool_choice(kwargs.pop("tool_choice", None), names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
         parallel = kwargs.pop("parallel_tool_calls", None)
+        reasoning = kwargs.pop("reasoning", self.reasoning)
         params = self.sampling_params(stop, kwargs)
         tools = tools if choice != "none" and response_format is None else []
-        reply = _Reply(self.model_name, one_call=parallel is False)
+        reply = ChatReply(self.model_name, one_call=parallel is False)
 
         def start() -> GenerationStream:     # runs in the worker thread for async calls
-            stream = self._open(messages, tools, choice, response_format, params, reply)
+            stream = self._open(messages, tools, choice, response_format, params, reply, reasoning)
             engine = self.get_engine()          # a remote server parses tool calls itself
             reply.splitter = ToolCallSplitter(tool_format(engine.tokenizer) if tools and not is_remote(engine) else None)
             return stream
@@ -80,26 +90,40 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         return start, reply
 
     def _open(self, messages: list[BaseMessage], tools: list[dict], choice: str, response_format,
-              params: dict, reply: "_Reply") -> GenerationStream:
+              params: dict, reply: ChatReply, reasoning: bool | None) -> GenerationStream:
         engine = self.get_engine()
+        thinking = self._thinking(engine, reasoning, reply)
         if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
             check_server(engine.server_info().kind, params)
             return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
-                                      tool_choice=choice, response_format=response_format, **params)
+                                      tool_choice=choice, response_format=response_format,
+                                      template_kwargs=thinking or None, **params)
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         if self.document_order == "cache":
             chat, reply.documents_from_cache = engine.order_documents(chat)
         constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if response_format is not None:
-            return engine.stream_chat(chat, constraint=response_constraint(response_format), **constrained)
+            return engine.stream_chat(chat, template_kwargs=thinking or None,
+                                      constraint=response_constraint(response_format), **constrained)
         if not tools:
-            return engine.stream_chat(chat, **params)
+            return engine.stream_chat(chat, template_kwargs=thinking or None, **params)
         chat, template_kwargs = with_tools(chat, tools, fmt)
+        template_kwargs.update(thinking)
         if choice == "auto":
             return engine.stream_chat(chat, template_kwargs=template_kwargs, skip_special_tokens=False, **params)
         return engine.stream_chat(chat, template_kwargs=template_kwargs, skip_special_tokens=False,
                                   constraint=fmt.forced_call(forced_tools(tools, choice)), **constrained)
+
+    @staticmethod
+    def _thinking(engine, reasoning: bool | None, reply: ChatReply) -> dict:
+        """The template's thinking switch for `reasoning` (refused when it has none); with True, the
+        reply's thinking goes to `reasoning_content`, apart from the answer."""
+        thinking = thinking_kwargs(engine.tokenizer, reasoning, remote=is_remote(engine))
+        if reasoning:
+            inside = not is_remote(engine) and opens_thinking(engine.tokenizer, thinking)
+            reply.thinking = ThinkingSplitter(inside=inside)
+        return thinking
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -145,6 +169,7 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         chat, template_kwargs = with_tools(chat, formatted, fmt) if formatted else (chat, {})
+        template_kwargs.update(thinking_kwargs(engine.tokenizer, self.reasoning))
         return len(engine.encode_messages(chat, **template_kwargs))
 
     # ---- tools and structured output ------------------------------------------------------
@@ -201,41 +226,6 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         return structured_chain(llm, parser, include_raw)
 
 
-class _Reply:
-    """Turns engine deltas and the final Generation into message chunks for one request.
-    Logprobs (when asked for) ride on the chunks as `response_metadata["logprobs"]["content"]`
-    (ChatOpenAI's format), which LangChain concatenates when it adds chunks up."""
-
-    def __init__(self, model_name: str, one_call: bool = False):
-        self.model_name = model_name
-        self.one_call = one_call                    # parallel_tool_calls=False: the first call only
-        self.splitter = ToolCallSplitter(None)      # replaced when the request starts
-        self.documents_from_cache: int | None = None
-        self.logprobs = LogprobTrail()
-
-    def chunk(self, item: str | Generation) -> ChatGenerationChunk | None:
-        if isinstance(item, str):
-            self.logprobs.feed(item)
-            visible = self.splitter.feed(item)
-            if not visible:
-                return None
-            entries = self.logprobs.take()
-            metadata = {"logprobs": {"content": entries}} if entries else {}
-            return ChatGenerationChunk(message=AIMessageChunk(content=visible, response_metadata=metadata))
-        rest, calls = self.splitter.finish(cut=item.finish_reason != "stop")
-        calls = (tool_call_chunks(calls) or _server_tool_calls(item))[:1 if self.one_call else None]
-        finish = "tool_calls" if calls else item.finish_reason
-        metadata = response_metadata(item, self.model_name, finish)
-        if self.documents_from_cache is not None:
-            metadata["documents_from_cache"] = self.documents_from_cache
-        entries = self.logprobs.rest(item)
-        if entries is not None:
-            metadata["logprobs"] = {"content": entries}
-        message = AIMessageChunk(content=rest, tool_call_chunks=calls, usage_metadata=usage_metadata(item),
-                                 response_metadata=metadata, chunk_position="last")
-        return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish})
-
-
 def with_tools(chat: list[dict], tools: list[dict], fmt) -> tuple[list[dict], dict]:
     """(messages, template kwargs) that show `tools` to the model: through its chat template when
     the template renders tools, else as our tool prompt in the messages."""
@@ -256,8 +246,3 @@ def response_constraint(response_format) -> Grammar:
         return JsonSchema(response_format["json_schema"].get("schema") or {})
     return JsonSchema(response_format)
 
-
-def _server_tool_calls(gen: Generation) -> list[dict]:
-    """Tool calls a remote server parsed, as LangChain tool_call_chunk dicts."""
-    return [{"name": call["name"], "args": call["arguments"], "id": call["id"], "index": call["index"],
-             "type": "tool_call_chunk"} for call in getattr(gen, "tool_calls", ())]

@@ -42,6 +42,8 @@ def to_engine_messages(messages: Sequence[BaseMessage], *, native_tools: bool) -
 def _convert(message: BaseMessage, native_tools: bool) -> dict:
     role = _role(message)
     out: dict = {"role": role, "content": _content(message.content)}
+    if isinstance(message, AIMessage) and (reasoning := reasoning_of(message)):
+        out["reasoning_content"] = reasoning          # the template keeps or drops it (Qwen3: only after the last question)
     if isinstance(message, AIMessage) and message.tool_calls:
         if native_tools:
             out["tool_calls"] = [native_call(c["name"], c["args"], c.get("id")) for c in message.tool_calls]
@@ -52,6 +54,17 @@ def _convert(message: BaseMessage, native_tools: bool) -> dict:
         if message.name:
             out["name"] = message.name
     return out
+
+
+def reasoning_of(message: AIMessage) -> str:
+    """An AI message's thinking: `additional_kwargs["reasoning_content"]` (what ChatKVBoost and
+    langchain-ollama write), else its reasoning / thinking content blocks."""
+    given = message.additional_kwargs.get("reasoning_content")
+    if isinstance(given, str):
+        return given
+    blocks = message.content if isinstance(message.content, list) else []
+    return "\n".join(block.get("reasoning") or block.get("thinking") or "" for block in blocks
+                     if isinstance(block, dict) and block.get("type") in ("reasoning", "thinking")).strip()
 
 
 def _role(message: BaseMessage) -> str:

@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse, LogProb, MessageRole,
-                                              TextBlock, ToolCallBlock)
+                                              TextBlock, ThinkingBlock, ToolCallBlock)
 
 from kvboost_engine import Engine, Generation, GenerationStream, InputError
 from kvboost_engine.constrained import AnyJson, Grammar, JsonSchema
 
 from .._bridge import aiter_stream, document_reuse, generation_metadata
+from .._reasoning import ThinkingSplitter, opens_thinking, thinking_kwargs
 from .._sampling import check_server
 from .._toolcalls import ToolCallSplitter, ToolFormat, add_tool_prompt, forced_tools, tool_format
 from ..remote import is_remote
@@ -34,9 +35,11 @@ class EngineCall:
     def __init__(self, get_engine: Callable[[], Engine], params: dict, *, chat: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
                  tool_choice: str = "auto", grammar: Grammar | None = None, document_order: str = "relevance",
-                 timeout: float | None = None):
+                 timeout: float | None = None, reasoning: bool | None = None):
         assert (chat is None) != (prompt is None)
         self.timeout = timeout
+        self.reasoning = reasoning
+        self.inside: bool | None = None     # set by start() when thinking is separated: the reply starts in it
         self.document_order = document_order
         self._documents_from_cache: int | None = None
         self._get_engine = get_engine
@@ -54,9 +57,10 @@ class EngineCall:
     def start(self) -> GenerationStream:
         engine = self._get_engine()
         self._model_name = engine.model_name
+        thinking = self._thinking(engine)
         if is_remote(engine):
             check_server(engine.server_info().kind, self.params)
-            return self._start_remote(engine)
+            return self._start_remote(engine, thinking)
         params = dict(self.params)
         if self.timeout is not None:
             params["timeout_s"] = self.timeout          # the engine cancels the request past it (queueing included)
@@ -66,7 +70,7 @@ class EngineCall:
             return engine.stream(self.prompt, **_without_stop(params))
         fmt = tool_format(engine.tokenizer)
         messages = to_engine_messages(self.chat, native_tools=fmt.native)
-        template_kwargs = dict(self.template_kwargs)
+        template_kwargs = {**self.template_kwargs, **thinking}
         if self.tools:
             self.format = fmt
             params["skip_special_tokens"] = False
@@ -82,7 +86,23 @@ class EngineCall:
             self._layout = engine.encode_messages(messages, **template_kwargs)
         return engine.stream_chat(messages, template_kwargs=template_kwargs or None, **_without_stop(params))
 
-    def _start_remote(self, engine) -> GenerationStream:
+    def _thinking(self, engine) -> dict:
+        """The template's thinking switch for `reasoning` (refused where there is none); with it on,
+        whether the reply starts inside a think block the prompt opened (`inside`)."""
+        if self.reasoning is None:
+            return {}
+        if self.chat is None:
+            if not self.reasoning:
+                raise InputError("thinking=False needs chat messages (a chat template's switch); a formatted "
+                                 "prompt has none")
+            self.inside = False
+            return {}
+        kwargs = thinking_kwargs(engine.tokenizer, self.reasoning, remote=is_remote(engine))
+        if self.reasoning:
+            self.inside = not is_remote(engine) and opens_thinking(engine.tokenizer, {**self.template_kwargs, **kwargs})
+        return kwargs
+
+    def _start_remote(self, engine, thinking: dict) -> GenerationStream:
         """Over an endpoint the server applies its template, parses tool calls (its tool parser) and
         guides JSON (`response_format`): tools and a JSON grammar go to it as they are."""
         if self.chat is None:
@@ -94,7 +114,8 @@ class EngineCall:
             if self.document_order == "cache":
                 messages, self._documents_from_cache = engine.order_documents(messages)
             self._layout = engine.encode_messages(messages)
-        return engine.stream_chat(messages, template_kwargs=self.template_kwargs or None, tools=self.tools or None,
+        return engine.stream_chat(messages, template_kwargs={**self.template_kwargs, **thinking} or None,
+                                  tools=self.tools or None,
                                   tool_choice=self.tool_choice, response_format=_response_format(self.grammar),
                                   **self.params)
 
@@ -135,10 +156,12 @@ class ResponseShaper:
         self._splitter: ToolCallSplitter | None = None
         self._calls: list[dict] = []
         self._logprobs: list[list[LogProb]] | None = None
+        self._thinking: ThinkingSplitter | None = None
+        self.thought = ""                   # the reply's thinking so far (with thinking=True)
 
     def chat(self, item: str | Generation) -> ChatResponse:
         text, delta, raw, extra = self._step(item)
-        blocks = [TextBlock(text=text)]
+        blocks = ([ThinkingBlock(content=self.thought)] if self.thought else []) + [TextBlock(text=text)]
         if isinstance(item, Generation) and self._splitter is not None:
             blocks += [_call_block(call) for call in self._calls]
         elif isinstance(item, Generation):      # calls a server parsed (over an endpoint)
@@ -148,6 +171,8 @@ class ResponseShaper:
 
     def completion(self, item: str | Generation) -> CompletionResponse:
         text, delta, raw, extra = self._step(item)
+        if raw is not None and self.thought:
+            extra = {**extra, "thinking": self.thought}         # no blocks here: the whole thinking, at the end
         return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra, logprobs=self._so_far())
 
     def _so_far(self) -> list[list[LogProb]] | None:
@@ -165,18 +190,31 @@ class ResponseShaper:
         self._note_logprobs(item)
         if self._splitter is None and self.call.format is not None:
             self._splitter = ToolCallSplitter(self.call.format)
+        if self._thinking is None and self.call.inside is not None:
+            self._thinking = ThinkingSplitter(self.call.inside)
+        thought, answer = self._split(item)
+        self.thought += thought
         if isinstance(item, str):
-            delta = self._splitter.feed(item) if self._splitter is not None else item
+            delta = self._splitter.feed(answer) if self._splitter is not None and answer else answer
             self.text += delta
-            return self.text, delta, None, {}
+            return self.text, delta, None, {"thinking_delta": thought} if thought else {}
         cut = item.finish_reason != "stop"
+        head = self._splitter.feed(answer) if self._splitter is not None and answer else answer
         delta, self._calls = self._splitter.finish(cut) if self._splitter is not None else ("", [])
+        delta = head + delta
         self.text += delta
         telemetry = self.call.telemetry(item)
         usage = item.usage()
         usage.update(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens)
-        text = self.text if self._splitter is not None else item.text
-        return text, delta, {"usage": usage, "kvboost": telemetry}, telemetry
+        text = self.text if self._splitter is not None or self._thinking is not None else item.text
+        extra = {**telemetry, "thinking_delta": thought} if thought else telemetry
+        return text, delta, {"usage": usage, "kvboost": telemetry}, extra
+
+    def _split(self, item: str | Generation) -> tuple[str, str]:
+        """(thinking, answer) of a delta, or of what is held at the end; all answer without thinking=True."""
+        if self._thinking is None:
+            return "", item if isinstance(item, str) else ""
+        return self._thinking.feed(item) if isinstance(item, str) else self._thinking.finish()
 
 
 def token_logprobs(entry: dict) -> list[LogProb]:

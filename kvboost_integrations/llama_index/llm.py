@@ -92,6 +92,10 @@ class KVBoost(FunctionCallingLLM):
     additional_kwargs: Dict[str, Any] = Field(default_factory=dict, description=(
         "Sampling parameters for every call (any of the above by name, max_tokens/min_tokens too), over the "
         "fields and under per-call keyword arguments; checked at construction."))
+    thinking: Optional[bool] = Field(default=None, description=(
+        "Reasoning models (a chat template with a thinking switch, as Qwen3's enable_thinking): True thinks and "
+        "returns the thinking as a ThinkingBlock before the answer (streamed as additional_kwargs['thinking_delta']); "
+        "False turns thinking off; None leaves the template's default and the text as written. Per call too."))
     timeout: Optional[float] = Field(default=None, gt=0, description=(
         "Seconds a request may take from the call (queueing included); past it the request is cancelled and "
         "TimeoutError (RequestTimeoutError) raised. With `endpoint`, the servers' timeout."))
@@ -207,12 +211,14 @@ class KVBoost(FunctionCallingLLM):
         specs = tool_specs(kwargs.pop("tools", None) or [])
         choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"
         grammar = kwargs.pop("constraint", None)
+        thinking = kwargs.pop("thinking", self.thinking)
         order = kwargs.pop("document_order", None) or self.document_order
         if order not in DOCUMENT_ORDERS:
             raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")
         return EngineCall(lambda: self.engine, self._params(kwargs), chat=list(messages),
                           template_kwargs=self.template_kwargs, tools=specs if choice != "none" else None,
-                          tool_choice=choice, grammar=grammar, document_order=order, timeout=self.timeout)
+                          tool_choice=choice, grammar=grammar, document_order=order, timeout=self.timeout,
+                          reasoning=thinking)
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
         """`formatted` prompts (or a custom completion_to_prompt) go in as plain text; otherwise
@@ -221,7 +227,10 @@ class KVBoost(FunctionCallingLLM):
             raise InputError(f"complete() takes the prompt as a string, got {type(prompt).__name__} ({prompt!r:.60})")
         if formatted or self._custom_completion_to_prompt:
             text = prompt if formatted else self.completion_to_prompt(prompt)
-            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text, timeout=self.timeout)
+            kwargs = dict(kwargs)
+            thinking = kwargs.pop("thinking", self.thinking)
+            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text, timeout=self.timeout,
+                              reasoning=thinking)
         messages = self._extend_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
         return self._chat_call(messages, kwargs)
 

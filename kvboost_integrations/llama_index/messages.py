@@ -74,6 +74,9 @@ def _engine_message(message: ChatMessage, index: int, native_tools: bool) -> dic
         out = {"role": role, "content": parts[0]["text"]}
     else:
         out = {"role": role, "content": parts or ""}
+    thinking = "\n".join(b.content or "" for b in message.blocks if type(b).__name__ == "ThinkingBlock").strip()
+    if thinking and role == "assistant":
+        out["reasoning_content"] = thinking     # the template keeps or drops it (Qwen3: only after the last question)
     if calls and native_tools:
         out["tool_calls"] = [native_call(name, args, call_id) for name, args, call_id in calls]
     if role == "tool" and native_tools:

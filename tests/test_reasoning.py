@@ -1,0 +1,117 @@
+"""Reasoning models on a tiny random Qwen3 with the real Qwen3 chat template (qwen3_tiny.py): the
+per-call thinking switch, thinking separated from the answer (LangChain reasoning_content,
+LlamaIndex ThinkingBlock), earlier turns' thinking handled as the template does, cache reuse kept."""
+import pytest
+
+pytest.importorskip("langchain_core")
+pytest.importorskip("llama_index.core")
+
+from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ThinkingBlock  # noqa: E402
+
+from kvboost_engine import InputError  # noqa: E402
+from kvboost_integrations._reasoning import ThinkingSplitter  # noqa: E402
+from kvboost_integrations.langchain import ChatKVBoost  # noqa: E402
+from kvboost_integrations.langchain.messages import to_engine_messages as lc_messages  # noqa: E402
+from kvboost_integrations.llama_index import KVBoost, to_engine_messages  # noqa: E402
+from qwen3_tiny import qwen3_engine  # noqa: E402
+from tool_families import family_engine  # noqa: E402
+
+ASK = "Capital of France?"
+# the scripted tiny Qwen3: thinking on -> "<think>Let</think>Paris"; the template's empty think block -> "Rome"
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return qwen3_engine()
+
+
+def _split(text: str, size: int) -> tuple[str, str]:
+    splitter, thought, answer = ThinkingSplitter(), "", ""
+    for at in range(0, len(text), size):
+        t, a = splitter.feed(text[at:at + size])
+        thought, answer = thought + t, answer + a
+    t, a = splitter.finish()
+    return thought + t, answer + a
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
+def test_the_splitter_separates_thinking_however_the_text_is_cut(size):
+    assert _split("<think>\nFirst, Paris.\nYes.\n</think>\n\nIt is Paris.", size) == ("First, Paris.\nYes.",
+                                                                                      "It is Paris.")
+    assert _split("No thinking <think> here.", size) == ("", "No thinking <think> here.")
+    assert _split("<think>\ncut short", size) == ("cut short", "")
+
+
+def test_a_reply_that_starts_inside_an_open_think_block():
+    splitter = ThinkingSplitter(inside=True)
+    assert splitter.feed("plan\n</think>\n\nanswer") == ("plan", "answer")
+
+
+# ---- LangChain -------------------------------------------------------------------------------------
+def test_langchain_reasoning_true_puts_thinking_in_reasoning_content(qwen3):
+    reply = ChatKVBoost(engine=qwen3, max_tokens=10, reasoning=True).invoke(ASK)
+    assert reply.content == "Paris" and reply.additional_kwargs["reasoning_content"] == "Let"
+    chunks = list(ChatKVBoost(engine=qwen3, max_tokens=10).stream(ASK, reasoning=True))     # per call, streamed
+    assert "".join(c.additional_kwargs.get("reasoning_content", "") for c in chunks) == "Let"
+    assert "".join(c.content for c in chunks) == "Paris"
+    assert not any(c.content and c.additional_kwargs.get("reasoning_content") for c in chunks)
+
+
+def test_langchain_reasoning_false_switches_thinking_off_and_none_keeps_the_text(qwen3):
+    off = ChatKVBoost(engine=qwen3, max_tokens=10, reasoning=False).invoke(ASK)
+    assert off.content == "Rome" and "reasoning_content" not in off.additional_kwargs
+    assert ChatKVBoost(engine=qwen3, max_tokens=10).invoke(ASK).content == "<think>Let</think>Paris"
+    chat = ChatKVBoost(engine=qwen3, max_tokens=10, reasoning=False)
+    assert chat.get_num_tokens_from_messages([HumanMessage(ASK)]) == off.usage_metadata["input_tokens"]
+
+
+def test_a_template_without_a_switch_refuses_reasoning_by_name():
+    engine = family_engine("qwen2")                      # Qwen2.5's real template: no thinking switch
+    for value in (True, False):
+        with pytest.raises(InputError, match=f"reasoning={value}"):
+            ChatKVBoost(engine=engine, max_tokens=2, reasoning=value).invoke(ASK)
+    with pytest.raises(InputError, match="thinking switch"):
+        KVBoost(engine=engine, max_new_tokens=2, thinking=False).chat([ChatMessage(role="user", content=ASK)])
+
+
+def test_earlier_thinking_goes_to_the_template_which_keeps_it_only_after_the_last_question(qwen3):
+    thought = AIMessage("Paris", additional_kwargs={"reasoning_content": "Let"})
+    assert lc_messages([thought], native_tools=True)[0]["reasoning_content"] == "Let"
+    later = [HumanMessage(ASK), thought, HumanMessage("And Italy?")]
+    text = qwen3.tokenizer.decode(qwen3.encode_messages(lc_messages(later, native_tools=True)).token_ids)
+    assert "Let" not in text and "<|im_start|>assistant\nParis<|im_end|>" in text       # an earlier turn: dropped
+    looping = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "", "reasoning_content": "Let",
+                                                  "tool_calls": [{"type": "function", "function": {
+                                                      "name": "f", "arguments": {}}}]},
+               {"role": "tool", "content": "42"}]
+    text = qwen3.tokenizer.decode(qwen3.encode_messages(looping).token_ids)
+    assert "<think>\nLet\n</think>" in text                                              # a tool loop: kept
+
+
+def test_the_next_turn_reuses_the_cached_prompt_after_a_thinking_reply(qwen3):
+    chat = ChatKVBoost(engine=qwen3, max_tokens=10, reasoning=True)
+    first = chat.invoke([HumanMessage(ASK)])
+    second = chat.invoke([HumanMessage(ASK), first, HumanMessage("And Italy?")])
+    assert second.response_metadata["reused_exact"] >= first.usage_metadata["input_tokens"]
+    assert second.content == "Paris" and second.additional_kwargs["reasoning_content"] == "Let"
+
+
+# ---- LlamaIndex ------------------------------------------------------------------------------------
+def test_llama_index_thinking_true_gives_a_thinking_block_before_the_answer(qwen3):
+    llm = KVBoost(engine=qwen3, max_new_tokens=10, thinking=True)
+    response = llm.chat([ChatMessage(role=MessageRole.USER, content=ASK)])
+    blocks = response.message.blocks
+    assert isinstance(blocks[0], ThinkingBlock) and blocks[0].content == "Let"
+    assert isinstance(blocks[1], TextBlock) and blocks[1].text == "Paris"
+    streamed = list(llm.stream_chat([ChatMessage(role=MessageRole.USER, content=ASK)]))
+    assert "".join(r.additional_kwargs.get("thinking_delta", "") for r in streamed) == "Let"
+    assert "".join(r.delta for r in streamed) == "Paris"
+    assert llm.complete(ASK).additional_kwargs["thinking"] == "Let"
+
+
+def test_llama_index_thinking_false_per_call_and_thinking_blocks_in_history(qwen3):
+    llm = KVBoost(engine=qwen3, max_new_tokens=10)
+    assert llm.chat([ChatMessage(role=MessageRole.USER, content=ASK)], thinking=False).message.content == "Rome"
+    earlier = ChatMessage(role=MessageRole.ASSISTANT, blocks=[ThinkingBlock(content="Let"), TextBlock(text="Paris")])
+    assert to_engine_messages([earlier])[0] == {"role": "assistant", "content": "Paris", "reasoning_content": "Let"}
