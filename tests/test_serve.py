@@ -318,3 +318,22 @@ def test_tool_result_turn_and_chat_openai_tools(served, client):
     theirs = ChatOpenAI(base_url=server.url, api_key=KEY, model=MODEL, temperature=0, max_tokens=40, max_retries=0)
     message = theirs.bind_tools([WEATHER], tool_choice="get_weather").invoke(ASK_WEATHER)
     assert message.tool_calls[0]["name"] == "get_weather" and set(message.tool_calls[0]["args"]) == {"city"}
+
+
+def test_queue_timeout_is_429(smol):
+    """A request that waited past queue_timeout_s for a running slot: 429 (QueueFullError), not a 400."""
+    engine = Engine(*smol, cache_bytes=0, max_running=1, max_waiting=4, queue_timeout_s=0.3)
+    with Server(create_app(engine, model_name=MODEL)) as server:
+        release, results = threading.Event(), []
+        long = {"model": MODEL, "messages": QUESTION, "max_tokens": 30, "min_tokens": 30, "stream": True}
+        reader = threading.Thread(target=lambda: results.append(_read_some(server, long, 1, release)))
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not engine.cache.pool.usage()["in_use"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waited = _post(server, "/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2}, key=None)
+        release.set()
+        reader.join(60)
+    engine.close()
+    assert waited.status_code == 429 and "waited" in waited.json()["error"]["message"]
+    assert results[0][-1] == "data: [DONE]"

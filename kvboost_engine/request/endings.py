@@ -37,7 +37,7 @@ def run_task(fn, future: Future) -> None:
 
 def refuse(request: Request, err: BaseException, waited: float | None = None) -> None:
     if waited is not None and isinstance(err, BudgetError):
-        err = BudgetError(f"{err} (waited {waited:.1f} s for running requests to finish)")
+        err = type(err)(f"{err} (waited {waited:.1f} s for running requests to finish)")   # QueueFullError stays one
     try:
         request.on_done(Generation(prompt_tokens=len(request.prompt), finish_reason="error"))
     finally:

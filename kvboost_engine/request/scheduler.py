@@ -8,10 +8,10 @@ than one chunk. Requests come from any thread or event loop (`submit`); their re
 through their Channel.
 
 Admission: a request joins when a running slot (`max_running`) is free and its KV can be reserved.
-One that waits (a bounded queue, `max_waiting` beyond the free slots) gets a clear BudgetError after
-`queue_timeout_s`; one that cannot fit the pool even alone is refused at once. A request whose
-prompt continues a prompt still being prefilled waits for it to be stored, so concurrent chats
-over one system prompt hold its blocks once.
+One that waits (a bounded queue, `max_waiting` beyond the free slots) gets a clear QueueFullError
+(a BudgetError: retry later) after `queue_timeout_s`; one that cannot fit the pool even alone is
+refused at once with a BudgetError. A request whose prompt continues a prompt still being
+prefilled waits for it to be stored, so concurrent chats over one system prompt hold its blocks once.
 
 Faults: an exception while handling one request ends that request with it, the others go on; one
 the loop cannot pin on a request ends the admitted ones with a clear error. A caller never waits
@@ -198,7 +198,8 @@ class Scheduler:
                 if self.active and time.perf_counter() - request.started < self.queue_timeout_s:
                     return                                          # wait for running requests to finish
                 self._pop(request)
-                _refuse(request, err, waited=time.perf_counter() - request.started)
+                busy = QueueFullError(str(err)) if self.active else err     # KV room held by running requests
+                _refuse(request, busy, waited=time.perf_counter() - request.started)
                 continue
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 self._pop(request)
