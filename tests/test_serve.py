@@ -337,3 +337,32 @@ def test_queue_timeout_is_429(smol):
     engine.close()
     assert waited.status_code == 429 and "waited" in waited.json()["error"]["message"]
     assert results[0][-1] == "data: [DONE]"
+
+
+def test_protocol_maps_and_refuses_fields():
+    from kvboost_engine.serve.protocol import BadRequest, engine_parameters, parse_chat, parse_completion
+    accepted = engine_parameters()
+    doc = {"role": "user", "content": [{"type": "document", "text": "D"}, {"type": "text", "text": "Q"}]}
+    call = parse_chat({"messages": [doc], "max_completion_tokens": 5, "min_tokens": 2, "stop": ["\n"], "seed": 3,
+                       "repetition_penalty": 1.1, "repeat_penalty": 1.1, "repeat_last_n": -1,
+                       "stream": True, "stream_options": {"include_usage": True}}, accepted)
+    assert call.payload == [doc] and call.include_usage and call.stream
+    assert call.params == {"temperature": 1.0, "max_new_tokens": 5, "min_new_tokens": 2, "stop": ["\n"], "seed": 3,
+                           "repetition_penalty": 1.1}
+    assert parse_completion({"prompt": ["P"], "logprobs": 2}, accepted).params["top_logprobs"] == 2
+    bad = [({"messages": [doc], "n": 2}, "n"), ({"messages": [doc], "stream_options": {"include_usage": True}}, "stream_options"),
+           ({"messages": [doc], "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+           ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]"),
+           ({"messages": []}, "messages"), ({"messages": [doc], "repeat_penalty": 1.3}, "repeat_penalty"),
+           ({"messages": [doc], "response_format": {"type": "yaml"}}, "response_format.type"),
+           ({"messages": [doc], "max_tokens": 2, "max_completion_tokens": 2}, "max_completion_tokens")]
+    for body, param in bad:
+        with pytest.raises(BadRequest) as refused:
+            parse_chat(body, accepted)
+        assert param is None or refused.value.param == param, body
+    with pytest.raises(BadRequest, match="logit_bias is not supported by this engine"):
+        parse_chat({"messages": [doc], "logit_bias": {"5": 1}}, accepted - {"logit_bias"})
+    with pytest.raises(BadRequest) as refused:
+        parse_completion({"prompt": "P", "echo": True}, accepted)
+    assert refused.value.param == "echo"
