@@ -25,13 +25,14 @@ def byte_size(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvboost_engine.serve", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m kvboost_engine.serve",
+                                description="Serve one engine over OpenAI's HTTP API.")
     p.add_argument("--model", default=None, help="as Engine.from_pretrained: a named model, an HF directory, a "
                    ".gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it "
+                   "to the network)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("KVBOOST_API_KEY"),
                    help="require Authorization: Bearer <key> on /v1/* (default: $KVBOOST_API_KEY; unset: open)")
     p.add_argument("--max-running", type=int, default=None, help="requests batched together (engine default 16)")
@@ -42,9 +43,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None, help="CPU weight format: fp32, bf16, int8, int4")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--max-body-bytes", type=byte_size, default=None, help="largest request body (413 past it)")
-    p.add_argument("--drain-timeout-s", type=int, default=30, help="on SIGTERM, longest wait for in-flight requests")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--max-body-bytes", type=byte_size, default=None, help="largest request body, 413 past it "
+                   "(default 8MiB)")
+    p.add_argument("--drain-timeout-s", type=int, default=30,
+                   help="on SIGTERM, longest wait for in-flight requests (default 30)")
+    p.add_argument("--log-level", default="info", help="uvicorn's (default info)")
     return p
 
 
