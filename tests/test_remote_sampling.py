@@ -84,3 +84,18 @@ def test_llama_index_sends_its_controls_to_the_server():
         body = next(r for r in server.requests if r["path"] == "/v1/chat/completions")
         assert (body["repetition_penalty"], body["presence_penalty"], body["logprobs"]) == (1.2, 0.5, True)
         assert "timeout_s" not in body
+
+
+def test_reasoning_a_server_sends_apart_becomes_the_think_block_the_classes_separate():
+    def chunk(delta):
+        return ChatCompletionChunk.model_validate({"id": "x", "object": "chat.completion.chunk", "created": 0,
+                                                   "model": "m", "choices": [{"index": 0, "delta": delta,
+                                                                              "finish_reason": None}]})
+    state = ReplyState(0.0)
+    texts = [state.feed_chat(chunk(d)) for d in ({"reasoning_content": "Let"}, {"reasoning": " me"},
+                                                   {"content": "Paris"}, {"content": "."})]
+    assert texts == ["<think>\nLet", " me", "\n</think>\n\nParis", "."]
+    from kvboost_integrations._reasoning import ThinkingSplitter
+    splitter = ThinkingSplitter()
+    parts = [splitter.feed(t) for t in texts] + [splitter.finish()]
+    assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == ("Let me", "Paris.")

@@ -64,6 +64,7 @@ class ReplyState:
         self.timings: dict | None = None
         self.logprobs: list[dict] | None = None     # when the server sends them
         self._unsent: list[dict] = []                 # logprobs not yet carried by a delta
+        self._thinking = False                        # inside reasoning the server sends apart
 
     @property
     def delivered(self) -> bool:
@@ -92,8 +93,9 @@ class ReplyState:
         text = ""
         for choice in chunk.choices[:1]:
             delta = choice.delta
+            text = self._thinking_text(delta)
             if delta is not None and delta.content:
-                text = delta.content
+                text += self._end_thinking() + delta.content
             for call in (delta.tool_calls or []) if delta is not None else []:
                 self._feed_call(call)
             if choice.finish_reason:
@@ -111,6 +113,23 @@ class ReplyState:
                 self.finish_reason = choice.finish_reason
             self._take_logprobs(completion_logprobs(getattr(choice, "logprobs", None)))
         return self._text(text)
+
+    def _thinking_text(self, delta) -> str:
+        """A server's separate reasoning field (vLLM's reasoning parser: `reasoning_content` or
+        `reasoning`; llama-server's `reasoning_content`) as the text the model wrote, Qwen3's
+        `<think>` block, so the framework classes treat it as they treat a local model's."""
+        extra = (getattr(delta, "model_extra", None) or {}) if delta is not None else {}
+        reasoning = extra.get("reasoning_content") or extra.get("reasoning")
+        if not isinstance(reasoning, str) or not reasoning:
+            return ""
+        opening = "" if self._thinking else "<think>\n"
+        self._thinking = True
+        return opening + reasoning
+
+    def _end_thinking(self) -> str:
+        closing = "\n</think>\n\n" if self._thinking else ""
+        self._thinking = False
+        return closing
 
     def _take_logprobs(self, entries: list[dict]) -> None:
         if entries:
