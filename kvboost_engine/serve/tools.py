@@ -1,6 +1,6 @@
 """Tool calling over the wire: OpenAI's `tools` / `tool_choice` and tool messages, in the model's own
-call format (the framework-neutral helpers of `kvboost_integrations._toolcalls`, shared with
-ChatKVBoost and KVBoost: the same prompt, grammar and parser).
+call format (`kvboost_engine.toolcalls`, the helpers ChatKVBoost and KVBoost use: the same prompt,
+grammar and parser).
 
 `prepare_tools` turns a request into what the engine runs: the messages (tool calls of earlier
 assistant turns and tool results in the template's form; the tool list in the template, or our
@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 
+from ..toolcalls import (ToolCallSplitter, add_tool_prompt, calls_as_text, forced_tools, native_call, native_call_id,
+                         normalize_tool_choice, tool_format)
 from .protocol import BadRequest, Call
-
-
-def _helpers():
-    from kvboost_integrations import _toolcalls      # framework-neutral; imported only when tools are used
-    return _toolcalls
 
 
 def prepare_tools(call: Call, tools, tool_choice, tokenizer):
@@ -24,16 +21,15 @@ def prepare_tools(call: Call, tools, tool_choice, tokenizer):
     (None when no tool may be called)."""
     if tools is None and tool_choice is None and not any(_has_tool_fields(m) for m in call.payload):
         return None
-    helpers = _helpers()
-    fmt = helpers.tool_format(tokenizer)
-    call.payload = [_message(m, fmt.native, helpers) for m in call.payload]
+    fmt = tool_format(tokenizer)
+    call.payload = [_message(m, fmt.native) for m in call.payload]
     tools = _check_tools(tools)
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise BadRequest("tool_choice needs tools", "tool_choice")
         return None
     try:
-        choice = helpers.normalize_tool_choice(tool_choice, [t["function"]["name"] for t in tools])
+        choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in tools])
     except ValueError as err:
         raise BadRequest(str(err), "tool_choice") from None
     if choice == "none":
@@ -43,12 +39,12 @@ def prepare_tools(call: Call, tools, tool_choice, tokenizer):
     if fmt.native:
         call.template_kwargs = {**(call.template_kwargs or {}), "tools": tools}
     else:
-        call.payload = helpers.add_tool_prompt(call.payload, tools)
+        call.payload = add_tool_prompt(call.payload, tools)
     call.params["skip_special_tokens"] = False          # a call marker may be a special token
     if choice != "auto":
         if call.params.get("stop"):
             raise BadRequest("stop cannot be combined with a forced tool call (the grammar decides the end)", "stop")
-        call.params["constraint"] = fmt.forced_call(helpers.forced_tools(tools, choice))
+        call.params["constraint"] = fmt.forced_call(forced_tools(tools, choice))
     return fmt
 
 
@@ -73,21 +69,21 @@ def _check_tools(tools) -> list[dict]:
     return tools
 
 
-def _message(message: dict, native: bool, helpers) -> dict:
+def _message(message: dict, native: bool) -> dict:
     """One wire message with its tool fields in the form the chat template (or our prompt) reads."""
     out = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id", "name")}
     calls = message.get("tool_calls") or []
     if calls:
         pairs = [_call_pair(c) for c in calls]
         if native:
-            out["tool_calls"] = [helpers.native_call(name, args, c.get("id")) for (name, args), c in zip(pairs, calls)]
+            out["tool_calls"] = [native_call(name, args, c.get("id")) for (name, args), c in zip(pairs, calls)]
         else:
-            text = helpers.calls_as_text(pairs)
+            text = calls_as_text(pairs)
             content = out.get("content") or ""
             out["content"] = (f"{content}\n{text}" if content else text) if isinstance(content, str) \
                 else [*content, {"type": "text", "text": text}]
     if message.get("role") == "tool" and native:
-        out["tool_call_id"] = helpers.native_call_id(message.get("tool_call_id"))
+        out["tool_call_id"] = native_call_id(message.get("tool_call_id"))
         if message.get("name"):
             out["name"] = message["name"]
     return out
@@ -111,7 +107,7 @@ class ToolReply:
     """Generated text -> content shown as it streams (held back once a call may begin) and calls."""
 
     def __init__(self, fmt):
-        self.splitter = _helpers().ToolCallSplitter(fmt)
+        self.splitter = ToolCallSplitter(fmt)
 
     def feed(self, delta: str) -> str:
         return self.splitter.feed(delta)

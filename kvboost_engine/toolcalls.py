@@ -1,0 +1,237 @@
+"""Tool calls in the model's own format, framework-neutral: which format a chat template uses, the
+grammar of a forced call, the calls found in a reply, and streaming text held back once a call begins.
+Used by the framework classes (kvboost_integrations) and by our server (serve/tools.py).
+
+Formats (read from the chat template; the model was trained on what its template writes):
+- "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5, Hermes, and
+  our prompt for templates without tools, such as SmolLM2's).
+- "llama3_json": the reply is `{"name": ..., "parameters": {...}}` (Llama 3.1/3.2 custom tools).
+- "mistral": `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral v3 templates).
+A reply is parsed for its template's format; forced calls are generated in it by constrained
+decoding (`TaggedJson`), so they always parse.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .constrained import TaggedJson
+
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one family of chat templates writes tool calls."""
+
+    name: str
+    native: bool            # the chat template renders the `tools` list itself
+    prefix: str             # text before the call(s)
+    suffix: str             # text after them
+    arguments_key: str      # "arguments" or "parameters"
+    as_list: bool = False   # calls are a JSON list (Mistral)
+
+    def forced_call(self, tools: dict[str, dict]) -> TaggedJson:
+        """The grammar of exactly one call to one of `tools` (name -> parameters schema)."""
+        bodies = [{"type": "object", "properties": {"name": {"const": name}, self.arguments_key: params or NO_ARGUMENTS},
+                   "required": ["name", self.arguments_key]} for name, params in tools.items()]
+        body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        if self.as_list:
+            body = {"type": "array", "items": body, "minItems": 1, "maxItems": 1}
+        return TaggedJson(self.prefix, body, self.suffix)
+
+    def call_start(self, text: str) -> int | None:
+        """Where the first call begins in `text`, if it does."""
+        if self.name == "llama3_json":
+            stripped = len(text) - len(text.lstrip())
+            rest = text[stripped:]
+            return stripped if rest.startswith(("{", PYTHON_TAG)) else None
+        at = text.find(self.marker)
+        return at if at >= 0 else None
+
+    def held_back(self, text: str) -> int:
+        """How many trailing characters of `text` could still turn into the start of a call."""
+        if self.name == "llama3_json":
+            return len(text) if not text.strip() or PYTHON_TAG.startswith(text.strip()) else 0
+        for size in range(min(len(self.marker) - 1, len(text)), 0, -1):
+            if text.endswith(self.marker[:size]):
+                return size
+        return 0
+
+    @property
+    def marker(self) -> str:
+        return self.prefix.strip() if self.prefix.strip() else "{"
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """The reply's plain text and its calls: dicts with name (None when unreadable), args (a
+        JSON string, possibly invalid) and id."""
+        start = self.call_start(text)
+        if start is None:
+            return text, []
+        content, body = text[:start].rstrip(), text[start:]
+        if self.name == "hermes":
+            calls = [_call(block) for block in _HERMES_RE.findall(body)]
+        elif self.name == "mistral":
+            calls = _json_calls(body[len(self.marker):])
+        else:
+            calls = _json_calls(body.removeprefix(PYTHON_TAG) if body.startswith(PYTHON_TAG) else body)
+            if not calls or calls[0]["name"] is None:       # not a call after all: an answer in JSON
+                return text, []
+        return content, calls
+
+
+PYTHON_TAG = "<|python_tag|>"
+HERMES = ToolFormat("hermes", False, "<tool_call>\n", "\n</tool_call>", "arguments")
+_HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+FORMATS = {
+    "hermes": ToolFormat("hermes", True, "<tool_call>\n", "\n</tool_call>", "arguments"),
+    "llama3_json": ToolFormat("llama3_json", True, "", "", "parameters"),
+    "mistral": ToolFormat("mistral", True, "[TOOL_CALLS] ", "", "arguments", as_list=True),
+}
+
+
+def tool_format(tokenizer) -> ToolFormat:
+    """The tool-call format of a tokenizer's chat template (Hermes with our prompt when the template
+    does not render tools)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    if "tools" not in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"]
+    if "<tool_call>" in template:
+        return FORMATS["hermes"]
+    if '"parameters"' in template or PYTHON_TAG in template or "ipython" in template:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def normalize_tool_choice(tool_choice, names: list[str]) -> str:
+    """None/"auto" -> "auto"; "none" -> "none"; "any"/"required"/True -> "any"; a tool name (or an
+    OpenAI-style {"function": {"name": ...}}) -> that name."""
+    if tool_choice in (None, "auto", False):
+        return "auto"
+    if tool_choice in ("any", "required", True):
+        return "any"
+    if tool_choice == "none":
+        return "none"
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if isinstance(tool_choice, str) and tool_choice in names:
+        return tool_choice
+    raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required' or one of {names}, got {tool_choice!r}")
+
+
+def forced_tools(tools: list[dict], choice: str) -> dict[str, dict]:
+    """Name -> parameters schema of the OpenAI tool dicts a forced `choice` ("any" or a name) allows."""
+    return {t["function"]["name"]: t["function"].get("parameters") for t in tools
+            if choice == "any" or t["function"]["name"] == choice}
+
+
+def tool_prompt(tools: list[dict]) -> str:
+    """System text describing `tools` (OpenAI tool dicts) and how to call them (Hermes format), for
+    chat templates that do not render tools."""
+    specs = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+    return ("You can call these tools:\n<tools>\n" + specs + "\n</tools>\n"
+            "To call a tool, reply with:\n<tool_call>\n"
+            '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
+
+
+def add_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Put the tool description in the system message (a part of its own, after the user's text)."""
+    part = {"type": "text", "text": tool_prompt(tools)}
+    if messages and messages[0]["role"] == "system":
+        content = messages[0]["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+        return [{**messages[0], "content": [*parts, part]}, *messages[1:]]
+    return [{"role": "system", "content": [part]}, *messages]
+
+
+def calls_as_text(calls: list[tuple[str, dict]]) -> str:
+    """(name, arguments) calls as the Hermes text our tool prompt asks for: one block each."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+                     + "\n</tool_call>" for name, args in calls)
+
+
+def native_call(name: str, args: dict, call_id: str | None) -> dict:
+    """One call as HF chat templates read it (arguments as a dict, id made template-safe)."""
+    return {"id": native_call_id(call_id), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def native_call_id(call_id: str | None) -> str:
+    """A 9-character alphanumeric id for a call id (Mistral's templates accept no other), the same
+    for the call and for its result."""
+    return hashlib.sha1((call_id or "").encode()).hexdigest()[:9]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(body: str) -> dict:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
+        return {"name": name.group(1) if name else None, "args": body, "id": new_call_id()}
+    return _from_json(data) or {"name": None, "args": body, "id": new_call_id()}
+
+
+def _from_json(data) -> dict | None:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get("arguments", data.get("parameters", {}))
+    return {"name": data["name"], "args": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+            "id": new_call_id()}
+
+
+def _json_calls(text: str) -> list[dict]:
+    """Calls in JSON values one after another (a list of calls, objects separated by `;` or space)."""
+    calls, position, text = [], 0, text.strip()
+    while position < len(text):
+        try:
+            value, position = _DECODER.raw_decode(text, position)
+        except json.JSONDecodeError:         # cut short (max_tokens) or malformed: keep what is readable
+            calls.append(_call(text[position:]))
+            break
+        for item in value if isinstance(value, list) else [value]:
+            calls.append(_from_json(item) or {"name": None, "args": json.dumps(item), "id": new_call_id()})
+        while position < len(text) and text[position] in " \n\t;,":
+            position += 1
+    return calls
+
+
+class ToolCallSplitter:
+    """Passes streamed text through until a tool call begins; holds back the rest for parsing."""
+
+    def __init__(self, fmt: ToolFormat | None):
+        self.format = fmt
+        self.text = ""
+        self.shown = 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.format is None:
+            return self._show(len(self.text))
+        start = self.format.call_start(self.text)
+        if start is not None:
+            return self._show(start)
+        return self._show(len(self.text) - self.format.held_back(self.text))
+
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """The text not shown yet, and the parsed tool calls. A reply `cut` short (max_tokens) has
+        no calls: its unfinished call is returned as text, never repaired into a call."""
+        if self.format is None or cut:
+            return self._show(len(self.text)), []
+        content, calls = self.format.parse(self.text)
+        return self._show(max(self.shown, len(content))), calls
+
+    def _show(self, end: int) -> str:
+        delta = self.text[self.shown:end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        return delta
