@@ -23,7 +23,8 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence. " * 4
 QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -302,7 +303,8 @@ def test_tool_result_turn_and_chat_openai_tools(served, client):
     engine, server = served
     history = ASK_WEATHER + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees"}]
     reply = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=12,
                                            tools=[WEATHER])
@@ -350,7 +352,8 @@ def test_protocol_maps_and_refuses_fields():
     assert call.params == {"temperature": 1.0, "max_new_tokens": 5, "min_new_tokens": 2, "stop": ["\n"], "seed": 3,
                            "repetition_penalty": 1.1}
     assert parse_completion({"prompt": ["P"], "logprobs": 2}, accepted).params["top_logprobs"] == 2
-    bad = [({"messages": [doc], "n": 2}, "n"), ({"messages": [doc], "stream_options": {"include_usage": True}}, "stream_options"),
+    bad = [({"messages": [doc], "n": 2}, "n"),
+           ({"messages": [doc], "stream_options": {"include_usage": True}}, "stream_options"),
            ({"messages": [doc], "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0]"),

@@ -1,8 +1,9 @@
 """The ASGI application: one engine behind OpenAI's HTTP API (starlette).
 
 Routes: POST /v1/chat/completions (tools included, see tools.py) and /v1/completions (JSON, or
-server-sent events with `stream: true`), GET /v1/models, /health, /metrics. The engine's blocking calls run off the event
-loop (the call that tokenizes and submits on a worker thread, the stream read by a `Pump`).
+server-sent events with `stream: true`), GET /v1/models, /health, /metrics. The engine's blocking
+calls run off the event loop (the call that tokenizes and submits on a worker thread, the stream
+read by a `Pump`).
 
 Hygiene: an API key (Bearer) guards /v1/* when set (401); bodies over `max_body_bytes` get 413;
 bad JSON or a bad field 400 naming it; a full engine queue 429 with Retry-After; a server that
