@@ -195,11 +195,45 @@ def test_default_model_gguf_bit_for_bit():
         pytest.skip(f"default GGUF unavailable: {err}")
     summary = check_gguf(path)
     assert summary.model_type == "llama" and summary.types.get("Q4_1", 0) > 0
-    ours = GGUFFile(path).tensors
+    file, reader = GGUFFile(path), GGUFReader(path)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "llama.rope.freq_base"):
+        assert np.array_equal(np.asarray(file.field(key)), np.asarray(reader.fields[key].contents())), key
+    ours = file.tensors
     wanted = {"blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight", "blk.29.ffn_up.weight"}
-    for t in GGUFReader(path).tensors:
+    for t in reader.tensors:
         if t.name in wanted or t.tensor_type == Q.Q8_0:
             reference = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
             assert torch.equal(dequantize(ours[t.name]).view(torch.int32), reference.view(torch.int32)), t.name
             wanted.discard(t.name)
     assert not wanted
+
+
+def test_header_matches_the_gguf_reader(tmp_path):
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, "qwen2", Q.Q4_0)
+    ours, reader = GGUFFile(path), GGUFReader(path)
+    for key in ("general.architecture", "general.name", "qwen2.block_count", "general.alignment"):
+        if key in reader.fields:
+            assert ours.field(key) == reader.fields[key].contents(), key
+    assert [(t.name, t.type_name, t.nbytes) for t in ours.tensors.values()] == \
+        [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors]
+    assert all(ours.tensors[t.name].raw.tobytes() == t.data.tobytes() for t in reader.tensors)
+
+
+def test_any_cut_or_flipped_header_byte_is_refused_cleanly(tmp_path):
+    """Every cut inside the header, and every header byte set to 0xFF, opens or raises InputError:
+    never another exception, never a read past the end."""
+    path = tmp_path / "llama.gguf"
+    write_gguf(path, "llama", Q.Q8_0, layers=1)
+    data = path.read_bytes()
+    header_end = GGUFReader(path).data_offset
+    broken = tmp_path / "broken.gguf"
+    refused = 0
+    for at in range(0, header_end, 3):
+        for variant in (data[:at], data[:at] + b"\xff" + data[at + 1:]):
+            broken.write_bytes(variant)
+            try:
+                GGUFFile(broken)
+            except InputError:
+                refused += 1
+    assert refused > header_end // 3                           # every cut at least

@@ -1,8 +1,8 @@
 """Open and check a GGUF file before anything is allocated: truncation, unknown or inexact tensor
 types, unsupported architectures and missing tensors are refused with the tensor or type named.
 
-`GGUFFile` memory-maps the file (gguf.GGUFReader, copy-on-write: pages are read on first touch,
-nothing is copied) and checks every tensor's type id and extent while the reader lists them;
+`GGUFFile` memory-maps the file (copy-on-write: pages are read on first touch, nothing is copied),
+parses its header (gguf_header.py) and checks every tensor's type id and extent;
 `check_gguf` adds the model-level checks a load needs; `gguf_weight_bytes` is what the tensors
 occupy as stored (the figure a "does it fit" check compares with the memory available).
 
@@ -10,6 +10,8 @@ Standalone for now: the default loading path (loading.py) still converts a GGUF 
 """
 from __future__ import annotations
 
+import math
+import mmap
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ import numpy as np
 from ..errors import InputError, ModelNotFoundError, UnsupportedModelError
 from ..model.arch import SUPPORTED_ARCHITECTURES
 from .gguf_blocks import EXACT_TYPES, GGUFTensor
+from .gguf_header import TensorInfo, read_header
 
 # GGUF general.architecture -> HF model_type. llama.cpp writes Mistral (7B, Nemo) as "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -38,59 +41,53 @@ REQUIRED_BLOCK_TENSORS = {
 REQUIRED_MODEL_TENSORS = ("token_embd.weight", "output_norm.weight")
 
 
-def _check_tensor_info(field, data_start: int, file_bytes: int) -> None:
-    """Refuse one tensor-info entry (name, dims, type id, offset) before the reader maps its data."""
-    _name_len, name_data, _n_dims, dims, raw_type, offset = field.parts
-    name = bytes(name_data).decode("utf-8", "replace")
-    type_id = int(raw_type[0])
-    if type_id not in gguf.GGMLQuantizationType._value2member_map_:
-        raise InputError(f"tensor {name}: unknown tensor type id {type_id} "
+def _tensor(info: TensorInfo, mapped, data_start: int, alignment: int) -> GGUFTensor:
+    """One tensor's type and extent checked, its bytes as a view of the mapping [*rows, row bytes]."""
+    if info.type_id not in {kind.value for kind in gguf.GGMLQuantizationType}:
+        raise InputError(f"tensor {info.name}: unknown tensor type id {info.type_id} "
                          "(a corrupt file, or a type newer than the installed gguf package)")
-    kind = gguf.GGMLQuantizationType(type_id)
+    kind = gguf.GGMLQuantizationType(info.type_id)
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-    dims = [int(d) for d in dims]
-    if dims and dims[0] % block:
-        raise InputError(f"tensor {name}: rows of {dims[0]} values are not whole {kind.name} blocks "
-                         f"of {block}")
-    nbytes = int(np.prod(dims)) * block_bytes // block
-    end = data_start + int(offset[0]) + nbytes
-    if end > file_bytes:
-        raise InputError(f"tensor {name} ({kind.name}, {nbytes} bytes) ends at byte {end} but the file has "
-                         f"{file_bytes} bytes: the file is truncated")
-
-
-class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader that checks each tensor's type id and extent before it maps the tensor."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            _check_tensor_info(field, start_offs, len(self.data))
-        super()._build_tensors(start_offs, fields)
+    columns = info.dims[0] if info.dims else 1
+    if columns % block:
+        raise InputError(f"tensor {info.name}: rows of {columns} values are not whole {kind.name} blocks of {block}")
+    if info.offset % alignment:
+        raise InputError(f"tensor {info.name}: data offset {info.offset} is not aligned to {alignment} (corrupt header)")
+    nbytes = math.prod(info.dims) * block_bytes // block                   # Python ints: no overflow
+    start = data_start + info.offset
+    if start + nbytes > len(mapped):
+        raise InputError(f"tensor {info.name} ({kind.name}, {nbytes} bytes) ends at byte {start + nbytes} but the "
+                         f"file has {len(mapped)} bytes: the file is truncated")
+    shape = tuple(reversed(info.dims))                                      # PyTorch order
+    raw = np.frombuffer(mapped, np.uint8, nbytes, start).reshape(*shape[:-1], columns // block * block_bytes)
+    return GGUFTensor(info.name, kind.name, shape, nbytes, raw)
 
 
 class GGUFFile:
-    """A GGUF file's metadata and tensors (memory-mapped, as stored).
+    """A GGUF file's metadata and tensors (memory-mapped copy-on-write, as stored: nothing is read
+    until a tensor is used).
 
-    tensors: name -> GGUFTensor (PyTorch shape, type name, bytes, the raw mapped data)."""
+    fields: metadata key -> value; tensors: name -> GGUFTensor (PyTorch shape, type name, bytes)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelNotFoundError(f"GGUF file {self.path} does not exist")
         try:
-            reader = _CheckedReader(self.path, "c")
+            with open(self.path, "rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (ValueError, OSError) as err:                                # an empty file cannot be mapped
+            raise InputError(f"{self.path} is not a readable GGUF file: {err}") from None
+        try:
+            header = read_header(mapped)
+            self.tensors = {t.name: _tensor(t, mapped, header.data_start, header.alignment) for t in header.tensors}
         except InputError as err:
             raise InputError(f"{self.path}: {err}") from None
-        except (ValueError, IndexError, KeyError, OverflowError, TypeError) as err:
-            raise InputError(f"{self.path} is not a readable GGUF file (truncated or corrupt: {err})") from None
-        self._reader = reader
-        self.tensors = {t.name: GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-                                           int(t.n_bytes), t.data) for t in reader.tensors}
+        self.fields = header.fields
 
     def field(self, key: str, default=None):
-        """A metadata value (str, number or list), or `default` when the file lacks the key."""
-        found = self._reader.get_field(key)
-        return default if found is None else found.contents()
+        """A metadata value (int, float, str, a numpy array or list), or `default` when absent."""
+        return self.fields.get(key, default)
 
     @property
     def architecture(self) -> str:
