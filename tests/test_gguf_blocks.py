@@ -61,7 +61,7 @@ def assert_exact(path) -> int:
     return len(reader.tensors)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("arch,model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("gemma3", "gemma3_text"),
                                              ("qwen3", "qwen3"), ("phi3", "phi3")])
 def test_tiny_models_dequantize_bit_for_bit(tmp_path, arch, model_type, qtype):
@@ -73,7 +73,7 @@ def test_tiny_models_dequantize_bit_for_bit(tmp_path, arch, model_type, qtype):
     assert assert_exact(path) == sum(summary.types.values())
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32], ids=lambda q: q.name)
 def test_float_tensors_bit_for_bit(tmp_path, qtype):
     path = tmp_path / "float.gguf"
     write_gguf(path, "llama", qtype, layers=1)
@@ -97,7 +97,7 @@ def _random_kquant_file(path, qtype, rows=4, columns=512) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_k_quants_bit_for_bit(tmp_path, qtype):
     path = tmp_path / "k.gguf"
     _random_kquant_file(path, qtype)
