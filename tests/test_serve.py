@@ -369,3 +369,23 @@ def test_protocol_maps_and_refuses_fields():
     with pytest.raises(BadRequest) as refused:
         parse_completion({"prompt": "P", "echo": True}, accepted)
     assert refused.value.param == "echo"
+
+
+def test_concurrent_clients_share_one_engine(served, client):
+    """Several clients at once (continuous batching): each greedy reply as the engine gives it alone."""
+    engine, _ = served
+    questions = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+                 for q in ("Name a color.", "Name a fruit.", "Name a country.")]
+    expected = [engine.chat(q, max_new_tokens=8).text for q in questions]
+    replies = [None] * len(questions)
+
+    def ask(i):
+        replies[i] = client.chat.completions.create(model=MODEL, messages=questions[i], temperature=0, max_tokens=8)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [r.choices[0].message.content for r in replies] == expected
+    assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in replies)   # the shared system prompt
