@@ -97,23 +97,29 @@ def _random_kquant_file(path, qtype, rows=4, columns=512) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_k_quants_bit_for_bit(tmp_path, qtype):
     path = tmp_path / "k.gguf"
     _random_kquant_file(path, qtype)
     assert assert_exact(path) == 1
     q = blocks(GGUFFile(path).tensors["blk.0.ffn_down.weight"])
-    assert q.codes.shape == (4, 512) and int(q.codes.max()) <= (15 if qtype == Q.Q4_K else 63)
+    assert q.codes.shape == (4, 512) and int(q.codes.max()) == {Q.Q4_K: 15, Q.Q5_K: 31, Q.Q6_K: 63}[qtype]
     assert q.scales.shape == (4, 512 // q.group) and q.scales.dtype == torch.float32
 
 
 def test_inexact_type_is_refused_with_type_and_tensor(tmp_path):
-    path = tmp_path / "q5k.gguf"
-    _random_kquant_file(path, Q.Q5_K)
+    path = tmp_path / "q5_0.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    values = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_down.weight", quants.quantize(values, Q.Q5_0), raw_dtype=Q.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     tensor = GGUFFile(path).tensors["blk.0.ffn_down.weight"]
-    with pytest.raises(UnsupportedModelError, match="type Q5_K of tensor blk.0.ffn_down.weight has no exact repack"):
+    with pytest.raises(UnsupportedModelError, match="type Q5_0 of tensor blk.0.ffn_down.weight has no exact repack"):
         dequantize(tensor)
-    with pytest.raises(UnsupportedModelError, match="Q5_K of tensor blk.0.ffn_down.weight"):
+    with pytest.raises(UnsupportedModelError, match="Q5_0 of tensor blk.0.ffn_down.weight"):
         check_gguf(path)
 
 

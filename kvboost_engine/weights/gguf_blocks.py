@@ -11,7 +11,7 @@ tensor's dims as [columns, rows], the PyTorch shape here is [rows, columns]):
 - Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; v = q * d + m
 - Q8_0: fp16 d, 32 int8; v = q * d
 - Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins for 8 groups of 32, 128 bytes of nibbles;
-  v = (d * sc) * q - (dmin * mn)
+  v = (d * sc) * q - (dmin * mn); Q5_K adds 32 bytes of fifth bits after the scales
 - Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales (groups of 16), fp16 d;
   v = (d * sc) * (q - 32)
 
@@ -30,7 +30,7 @@ from ..errors import InputError, UnsupportedModelError
 
 # types `blocks`/`dequantize` reproduce exactly; the rest are named in a refusal
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 EXACT_TYPES = FLOAT_TYPES + QUANT_TYPES
 QK = 32                 # values a block of the legacy types
 QK_K = 256              # values a K-quant super-block
@@ -55,7 +55,7 @@ class QuantBlocks:
 
     codes: torch.Tensor
     scales: torch.Tensor
-    mins: torch.Tensor | None   # Q4_1: added; Q4_K: subtracted (see `dequantize`); else None
+    mins: torch.Tensor | None   # Q4_1: added; Q4_K, Q5_K: subtracted (see `dequantize`); else None
     zero_code: int              # Q4_0: 8, Q6_K: 32, else 0
     group: int                  # values sharing one scale: 32 (Q6_K: 16)
 
@@ -100,13 +100,18 @@ def _q4k_scale_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4k_blocks(tensor: GGUFTensor) -> QuantBlocks:
-    b = _blocks_view(tensor, 144)                                           # [R, B, 144]
+def _q45k_blocks(tensor: GGUFTensor) -> QuantBlocks:
+    """Q4_K, and Q5_K (its fifth bits: bit j of 32 bytes is group j's, between the scales and nibbles)."""
+    five = tensor.type_name == "Q5_K"
+    b = _blocks_view(tensor, 176 if five else 144)                          # [R, B, bytes]
     raw = b.numpy()
     d, dmin = _fp16(raw, 0)[..., None], _fp16(raw, 2)[..., None]            # [R, B, 1]
     sc, mn = _q4k_scale_mins(b[..., 4:16])                                  # [R, B, 8]
-    qs = b[..., 16:].reshape(*b.shape[:2], 4, 32)                           # 4 x 32 bytes: 2 groups each
-    codes = torch.stack([qs & 15, qs >> 4], dim=-2)                         # [R, B, 4, 2, 32]
+    qs = b[..., 48 if five else 16:].reshape(*b.shape[:2], 4, 32)           # 4 x 32 bytes: 2 groups each
+    codes = torch.stack([qs & 15, qs >> 4], dim=-2).flatten(2, 3)           # [R, B, 8, 32]
+    if five:
+        qh = b[..., 16:48]                                                  # [R, B, 32]
+        codes = codes | torch.stack([((qh >> j) & 1) << 4 for j in range(8)], dim=-2)
     scales = (d * sc.float()).flatten(1)                                    # [R, B * 8]
     mins = (dmin * mn.float()).flatten(1)
     return QuantBlocks(codes.reshape(tensor.shape), scales, mins, 0, QK)
@@ -129,8 +134,8 @@ def blocks(tensor: GGUFTensor) -> QuantBlocks:
     """The codes and float32 scales (and minimums) of a quantized tensor, exactly as stored."""
     if tensor.type_name in ("Q4_0", "Q4_1", "Q8_0"):
         return _legacy_blocks(tensor)
-    if tensor.type_name == "Q4_K":
-        return _q4k_blocks(tensor)
+    if tensor.type_name in ("Q4_K", "Q5_K"):
+        return _q45k_blocks(tensor)
     if tensor.type_name == "Q6_K":
         return _q6k_blocks(tensor)
     raise UnsupportedModelError(f"type {tensor.type_name} of tensor {tensor.name} has no exact repack yet "
@@ -161,7 +166,7 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         out = scales * codes.float() + mins
     elif kind == "Q8_0":
         out = codes.float() * scales
-    elif kind == "Q4_K":
+    elif kind in ("Q4_K", "Q5_K"):
         out = scales * codes.float() - mins
     else:                                                                   # Q6_K
         out = scales * (codes.to(torch.int8) - 32).float()
