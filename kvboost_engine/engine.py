@@ -127,7 +127,10 @@ class Engine:
         text), constraint (a `constrained.Grammar` such as `JsonSchema(schema)`, compiled before any
         decoding, or any `constrained.LogitsConstraint`; not together with stop strings), timeout_s
         (None: no limit; else the request is cancelled and RequestTimeoutError raised when its result,
-        or its next delta when streaming, has not come that many seconds after the call)."""
+        or its next delta when streaming, has not come that many seconds after the call), and the
+        logits processors and logprobs of `SamplingParams`: repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias, logprobs, top_logprobs (entries on `Generation.logprobs`;
+        streamed deltas are then `TextDelta`s carrying their tokens' entries)."""
         return self.stream_chat(messages, **params).collect()
 
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:

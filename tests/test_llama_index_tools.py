@@ -107,6 +107,7 @@ def test_function_agent_runs_a_two_tool_task_end_to_end(tools_engine, streaming)
 def test_auto_replies_are_parsed_into_tool_call_blocks():
     class Call:                                   # a started call whose template writes Hermes calls
         format = HERMES
+        inside = None                             # no thinking separated
 
         def telemetry(self, gen):
             return {"finish_reason": gen.finish_reason}

@@ -115,3 +115,10 @@ def test_llama_index_thinking_false_per_call_and_thinking_blocks_in_history(qwen
     assert llm.chat([ChatMessage(role=MessageRole.USER, content=ASK)], thinking=False).message.content == "Rome"
     earlier = ChatMessage(role=MessageRole.ASSISTANT, blocks=[ThinkingBlock(content="Let"), TextBlock(text="Paris")])
     assert to_engine_messages([earlier])[0] == {"role": "assistant", "content": "Paris", "reasoning_content": "Let"}
+
+
+def test_reasoning_is_checked_at_bind_time_and_honoured_when_bound(qwen3):
+    with pytest.raises(ValueError, match="reasoning must be"):
+        ChatKVBoost(engine=qwen3).bind(reasoning="yes")
+    bound = ChatKVBoost(engine=qwen3, max_tokens=10).bind(reasoning=True)
+    assert bound.invoke(ASK).additional_kwargs["reasoning_content"] == "Let"

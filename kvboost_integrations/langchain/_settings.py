@@ -165,6 +165,8 @@ class KVBoostSettings(BaseModel):
         """At bind time: ValueError for an unknown argument or a bad value (not at the first call)."""
         controls = {k: v for k, v in kwargs.items() if k not in others and k != "stop"}
         check_values(self.sampling_params(kwargs.get("stop"), controls))
+        if kwargs.get("reasoning") not in (None, True, False):
+            raise ValueError(f"reasoning must be True, False or None, got {kwargs['reasoning']!r}")
 
     def ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
         params = {"ls_provider": "kvboost", "ls_model_type": model_type,
