@@ -33,7 +33,6 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 EXACT_TYPES = FLOAT_TYPES + QUANT_TYPES
 QK = 32                 # values a block of the legacy types
-QK_K = 256              # values a K-quant super-block
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +139,6 @@ def blocks(tensor: GGUFTensor) -> QuantBlocks:
         return _q6k_blocks(tensor)
     raise UnsupportedModelError(f"type {tensor.type_name} of tensor {tensor.name} has no exact repack yet "
                                 f"(exact: {', '.join(QUANT_TYPES)})")
-
-
-def _grouped(values: torch.Tensor, group: int) -> torch.Tensor:
-    return values.reshape(values.shape[0] if values.dim() > 1 else 1, -1, group)
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
