@@ -128,9 +128,7 @@ class Engine:
         decoding, or any `constrained.LogitsConstraint`; not together with stop strings), timeout_s
         (None: no limit; else the request is cancelled and RequestTimeoutError raised when its result,
         or its next delta when streaming, has not come that many seconds after the call), and the
-        logits processors and logprobs of `SamplingParams`: repetition_penalty, presence_penalty,
-        frequency_penalty, logit_bias, logprobs, top_logprobs (entries on `Generation.logprobs`;
-        streamed deltas are then `TextDelta`s carrying their tokens' entries)."""
+        `SamplingParams` processors (repetition/presence/frequency penalties, logit_bias) and logprobs."""
         return self.stream_chat(messages, **params).collect()
 
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:
@@ -153,9 +151,7 @@ class Engine:
         timeout_s = check_timeout(params.pop("timeout_s", None))
         sampling = SamplingParams.build(**params)
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
-        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self._grammars.vocab_size:
-            raise InputError(f"logit_bias names token {sampling.logit_bias[-1][0]}, beyond this model's "
-                             f"{self._grammars.vocab_size} tokens")
+        sampling.check_vocabulary(self._grammars.vocab_size)
         if constraint is not None:
             if sampling.stop:
                 raise InputError("stop strings cannot be combined with a constraint: the grammar decides where "

@@ -44,6 +44,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """InputError if logit_bias names a token the model does not have."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise InputError(f"logit_bias names token {self.logit_bias[-1][0]}, beyond this model's {vocab_size} tokens")
+
     @property
     def adjusts_logits(self) -> bool:
         """Whether any logits processor (bias or penalty) is on."""
