@@ -40,7 +40,7 @@ from kvboost_tools.scheduler_faults import InjectedFault, SchedulerFaults
 
 from .._common import environment, load_default
 from ..data import qa
-from .soak import PROBE, percentiles, request, rss_bytes, spread
+from .soak import PROBE, percentiles, pool_bytes_of, request, rss_bytes, spread
 
 REQUEST_TIMEOUT_S = 120.0        # a local request past this is a hang (they take well under a second alone)
 REMOTE_BOUND_S = 10.0            # a remote call past this is a hang (timeouts below are 1-2 s per replica)
@@ -205,9 +205,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results" / "chaos.json"))
     args = parser.parse_args(argv)
     model, tokenizer = load_default()
-    c = model.config
-    block_bytes = 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-    pool_bytes = args.pool_blocks * block_bytes
+    pool_bytes = pool_bytes_of(model, args.pool_blocks)
     directory = tempfile.mkdtemp(prefix="kvboost-chaos-")
     try:
         engine = Engine(model, tokenizer, kv_pool_bytes=pool_bytes, cache_bytes=pool_bytes, block_tokens=16,

@@ -225,6 +225,13 @@ def summary(soak: Soak, cold: Engine) -> dict:
     }
 
 
+def pool_bytes_of(model, blocks: int, block_tokens: int = 16) -> int:
+    """Bytes of `blocks` KV blocks of `block_tokens` positions for `model` in fp32."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return blocks * block_tokens * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -236,9 +243,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "results" / "soak.json"))
     args = parser.parse_args(argv)
     model, tokenizer = load_default()
-    c = model.config
-    block_bytes = 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-    pool_bytes = args.pool_blocks * block_bytes
+    pool_bytes = pool_bytes_of(model, args.pool_blocks)
     directory = tempfile.mkdtemp(prefix="kvboost-soak-")
     try:
         engine = Engine(model, tokenizer, kv_pool_bytes=pool_bytes, cache_bytes=pool_bytes, block_tokens=16,
