@@ -1,11 +1,12 @@
 """The ASGI application: one engine behind OpenAI's HTTP API (starlette).
 
 Routes: POST /v1/chat/completions (tools included, see tools.py) and /v1/completions (JSON, or
-server-sent events with `stream: true`), GET /v1/models, /health, /metrics. The engine's blocking
+server-sent events with `stream: true`), POST /tokenize (vLLM's shape, see tokenize.py), GET
+/v1/models (`owned_by: "kvboost"`: how our remote client knows it talks to us), /health, /metrics. The engine's blocking
 calls run off the event loop (the call that tokenizes and submits on a worker thread, the stream
 read by a `Pump`).
 
-Hygiene: an API key (Bearer) guards /v1/* when set (401); bodies over `max_body_bytes` get 413;
+Hygiene: an API key (Bearer) guards /v1/* and /tokenize when set (401); bodies over `max_body_bytes` get 413;
 bad JSON or a bad field 400 naming it; a full engine queue 429 with Retry-After; a server that
 drains (SIGTERM) answers 503 to new requests while in-flight ones finish; a client that
 disconnects cancels its request (the engine frees its blocks).
@@ -33,6 +34,7 @@ from .metrics import Metrics, kv_bytes
 from .protocol import BadRequest, Call, engine_parameters, parse_chat, parse_completion
 from .pump import Pump
 from .replies import Reply, error_body, sse
+from .tokenize import tokenize
 from .tools import ToolReply, prepare_tools
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -67,6 +69,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         Route("/v1/chat/completions", partial(_generate, kind="chat"), methods=["POST"]),
         Route("/v1/completions", partial(_generate, kind="completion"), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
+        Route("/tokenize", _tokenize, methods=["POST"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
     ])
@@ -96,6 +99,18 @@ async def _models(request: Request) -> Response:
     entry = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvboost",
              "max_model_len": state.engine.context_window}
     return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def _tokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.kvboost
+    refused = _refuse(request, state)
+    if refused is not None:
+        return refused
+    try:
+        body = await _read_json(request, state.max_body_bytes)
+        return JSONResponse(await run_in_threadpool(tokenize, state.engine, body))
+    except Exception as err:  # noqa: BLE001 - mapped to a status
+        return error_response(err, state)
 
 
 async def _generate(request: Request, kind: str) -> Response:

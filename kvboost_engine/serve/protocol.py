@@ -70,7 +70,7 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of message objects", "messages")
     for i, message in enumerate(messages):
-        _check_message(message, f"messages[{i}]")
+        check_message(message, f"messages[{i}]")
     call = _common(body, "chat", messages, accepted)
     call.tools, call.tool_choice = body.get("tools"), body.get("tool_choice")
     call.template_kwargs = _optional_object(body, "chat_template_kwargs")
@@ -164,7 +164,7 @@ def response_constraint(response_format):
                      "response_format.type")
 
 
-def _check_message(message, where: str) -> None:
+def check_message(message, where: str) -> None:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise BadRequest(f"{where} must be an object with a role", where)
     content = message.get("content")

@@ -22,6 +22,7 @@ from .telemetry import PrefixCounters, parse_metrics, prefix_counters
 
 SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_new_tokens", "repetition_penalty",
             "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
+SERVER_KINDS = ("vllm", "llamacpp", "kvboost")     # /v1/models owned_by values we know; others are "openai"
 _FAILOVER_STATUS = (408, 429, 500, 502, 503, 504)
 CONNECT_TIMEOUT_S = 5.0     # to open a connection
 READ_TIMEOUT_S = 30.0       # for the response to start, and between two chunks of a stream
@@ -38,7 +39,14 @@ def _openai():
 
 @dataclass
 class ServerInfo:
-    """What a server says about itself: kind ("vllm", "llamacpp" or "openai"), model, window."""
+    """What a server says about itself: kind ("vllm", "llamacpp", "kvboost": our own server, or
+    "openai": any other), model, window."""
+
+    @property
+    def takes_documents(self) -> bool:
+        """Whether the server caches `{"type": "document"}` content parts as documents (ours does;
+        the others get documents as text)."""
+        return self.kind == "kvboost"
 
     kind: str
     model: str
@@ -121,12 +129,13 @@ class Replica:
         return prefix_counters(parse_metrics(text)) if isinstance(text, str) else None
 
     def info(self) -> ServerInfo:
-        """Kind, first served model and context window, from /v1/models (and /props for llama.cpp)."""
+        """Kind, first served model and context window, from /v1/models (and /props for llama.cpp).
+        The kind is the model entry's `owned_by`: "vllm", "llamacpp", "kvboost" (our server)."""
         models = self.get_json("/v1/models").get("data") or []
         if not models:
             raise InputError(f"{self.url} serves no model")
         entry = models[0]
-        kind = {"vllm": "vllm", "llamacpp": "llamacpp"}.get(entry.get("owned_by"), "openai")
+        kind = entry.get("owned_by") if entry.get("owned_by") in SERVER_KINDS else "openai"
         window = entry.get("max_model_len")
         if window is None and kind == "llamacpp":
             props = self.get_json("/props")

@@ -1,7 +1,9 @@
 """`RemoteEngine`: the part of the Engine API the framework classes use, served by
 OpenAI-compatible servers (vLLM, llama.cpp's llama-server, ...) instead of an embedded model.
 
-A request is laid out for the servers' prefix caches (layout.py), routed to the replica most
+A request is laid out for the servers' prefix caches (layout.py; our own server,
+`kvboost_engine.serve`, known by its /v1/models `owned_by: "kvboost"`, gets document parts as
+they are and counts tokens with /tokenize), routed to the replica most
 likely to hold its prefix (routing.py), streamed through the `openai` client (client.py) and
 returned as a `GenerationStream` of text deltas ending in a `RemoteGeneration` with usage,
 the server's cached-token count, TTFT and the replica that answered (generation.py). A replica
@@ -136,7 +138,7 @@ class RemoteEngine:
         if isinstance(text_or_messages, str):
             return len(tokenizer.encode(text_or_messages) if isinstance(tokenizer, ServerTokenizer)
                        else encode_local(tokenizer, text_or_messages))
-        wire = self.layout.lay_out(list(text_or_messages), record=False).messages
+        wire = self._sent_messages(self.layout.lay_out(list(text_or_messages), record=False))
         if isinstance(tokenizer, ServerTokenizer):
             return tokenizer.count_chat(wire, tools)
         return count_chat_local(tokenizer, wire, tools)
@@ -164,7 +166,15 @@ class RemoteEngine:
 
     def wire_messages(self, messages) -> list[dict]:
         """The OpenAI messages a chat request with `messages` would send (nothing is remembered)."""
-        return self.layout.lay_out(list(messages), record=False).messages
+        return self._sent_messages(self.layout.lay_out(list(messages), record=False))
+
+    def _sent_messages(self, prompt) -> list[dict]:
+        """The prompt's messages as sent: content parts kept (documents as document parts) for our
+        own server, which caches documents itself; parts joined as text for any other. The server
+        is asked what it is only for a prompt that has parts."""
+        if prompt.part_messages == prompt.messages or not self.server_info().takes_documents:
+            return prompt.messages
+        return prompt.part_messages
 
     # ---- requests -----------------------------------------------------------------------------
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, tools: list[dict] | None = None,
@@ -173,8 +183,8 @@ class RemoteEngine:
         prompt = self.layout.lay_out(list(messages))
         extras = dict(tools=tools, tool_choice=tool_choice, response_format=response_format,
                       template_kwargs=template_kwargs)
-        return self._stream(prompt.route_key, "chat", lambda: chat_body(self.model_name, prompt.messages, params,
-                                                                        **extras), self._moved(prompt))
+        make_body = lambda: chat_body(self.model_name, self._sent_messages(prompt), params, **extras)  # noqa: E731
+        return self._stream(prompt.route_key, "chat", make_body, self._moved(prompt))
 
     def chat(self, messages, **params) -> RemoteGeneration:
         return self.stream_chat(messages, **params).collect()
@@ -211,8 +221,8 @@ class RemoteEngine:
                            **params) -> AsyncIterator[str | RemoteGeneration]:
         """Text deltas, then the RemoteGeneration, through the async client (on the event loop)."""
         prompt = self.layout.lay_out(list(messages))
-        model = await asyncio.to_thread(lambda: self.model_name)
-        body = chat_body(model, prompt.messages, params, tools=tools, tool_choice=tool_choice,
+        model, messages = await asyncio.to_thread(lambda: (self.model_name, self._sent_messages(prompt)))
+        body = chat_body(model, messages, params, tools=tools, tool_choice=tool_choice,
                          response_format=response_format, template_kwargs=template_kwargs)
         async for item in self.dispatch.arun(prompt.route_key, "chat", body):
             if isinstance(item, RemoteGeneration):

@@ -2,7 +2,8 @@
 
 `RemoteGeneration` is a `Generation` (so every framework class reads it as it reads the local
 engine's): `reused_tokens` are the prompt tokens the server's prefix cache served (exact-prefix
-reuse, so they count as `reused_exact`), `ttft_s` is measured here from the call to the first
+reuse, so they count as `reused_exact`; our own server splits them into `cached_exact_tokens` and
+`cached_moved_tokens`, which become `reused_exact` and `reused_moved`), `ttft_s` is measured here from the call to the first
 delta. It adds what only a remote call has: the replica that answered, the replicas that failed
 before it, the tool calls the server parsed, the server's own figures (`server`), and the
 sentences the layout moved (`volatile_moved`, only with the opt-in `volatile="last"`).
@@ -171,6 +172,12 @@ class ReplyState:
             cached = self.timings["cache_n"]
         return cached
 
+    def _cached_moved(self) -> int:
+        """Cached tokens reused at another position (our server's `cached_moved_tokens`; 0 elsewhere:
+        other servers' prefix caches are exact only)."""
+        details = getattr(self.usage, "prompt_tokens_details", None)
+        return int(getattr(details, "cached_moved_tokens", None) or 0)
+
     def generation(self, *, replica: str, model: str, cancelled: bool, failovers: list[str],
                    metrics_cached: int | None = None) -> RemoteGeneration:
         now = time.perf_counter()
@@ -183,9 +190,11 @@ class ReplyState:
             server["timings"] = self.timings
         finish = "cancelled" if cancelled else (self.finish_reason or "stop")
         reused = min(cached or 0, prompt_tokens)
+        moved = min(self._cached_moved(), reused) if source == "usage" else 0
         return RemoteGeneration(
             text="".join(self.parts), finish_reason=finish, prompt_tokens=prompt_tokens, reused_tokens=reused,
-            reused_exact=reused, ttft_s=(self.first_token_at or now) - self.started, total_s=now - self.started,
+            reused_exact=reused - moved, reused_moved=moved, ttft_s=(self.first_token_at or now) - self.started,
+            total_s=now - self.started,
             completion_count=getattr(self.usage, "completion_tokens", 0) or 0, replica=replica, served_model=model,
             tool_calls=[_call(index, entry) for index, entry in sorted(self.calls.items())],
             failovers=list(failovers), server=server, logprobs=self.logprobs)

@@ -12,7 +12,8 @@ before, token for token. So the layout:
   follow a sequence already sent after the same text are put in that sequence's order, the rest
   after them in the order given (relevance); `"relevance"` keeps the given order everywhere;
 - joins a message's parts with "\\n\\n", or with LMCache CacheBlend's separator
-  (`blend_separator`, its `blend_special_str`) around documents;
+  (`blend_separator`, its `blend_special_str`) around documents; for our own server, which caches
+  documents itself, keeps them as `{"type": "document"}` parts instead (`WirePrompt.part_messages`);
 - names the leading segments (system messages and the first message up to its first document)
   whose hash routes the request to the replica most likely to hold its prefix.
 """
@@ -71,10 +72,13 @@ class WirePrompt:
 
     segments: (kind, text) with kind "system", "message" or "document", in the order sent
     (for telemetry: how many document tokens there are and where they start). placed: documents
-    put first because they continue a sequence sent before.
+    put first because they continue a sequence sent before. part_messages: the same messages with
+    their content parts kept (text and document parts, in the same order), for a server that takes
+    document parts (ours).
     """
 
     messages: list[dict]
+    part_messages: list[dict]
     route_key: int
     segments: list[tuple[str, str]] = field(default_factory=list)
     moved_volatile: list[str] = field(default_factory=list)
@@ -100,19 +104,20 @@ class PromptLayout:
         if not messages:
             raise InputError("a chat request needs at least one message")
         messages, moved = self._move_volatile([_checked(m) for m in messages])
-        wire, segments, route = [], [], xxhash.xxh64()
+        wire, with_parts, segments, route = [], [], [], xxhash.xxh64()
         context = xxhash.xxh64()
         routing, placed = True, 0
         for message in messages:
             parts, count = self._ordered_parts(message, context, record)
             placed += count
             wire.append(_wire_message(message, parts, self.options.blend_separator))
+            with_parts.append(_part_message(message, parts, wire[-1]))
             kind_of_text = "system" if message["role"] == "system" else "message"
             for kind, text in parts:
                 segments.append(("document" if kind == "document" else kind_of_text, text))
             routing = _feed_route(route, message["role"], parts, routing)
             context.update(json.dumps(wire[-1], sort_keys=True).encode())
-        return WirePrompt(wire, route.intdigest(), segments, moved, placed)
+        return WirePrompt(wire, with_parts, route.intdigest(), segments, moved, placed)
 
     def _ordered_parts(self, message: dict, context, record: bool) -> tuple[list[tuple[str, str]], int]:
         """(kind, text) parts of a message, document runs reordered cache-first; documents placed."""
@@ -190,6 +195,15 @@ def _wire_message(message: dict, parts: list[tuple[str, str]], blend_separator: 
         if message.get(key):
             out[key] = message[key]
     return out
+
+
+def _part_message(message: dict, parts: list[tuple[str, str]], wire: dict) -> dict:
+    """`wire` with the content as parts when the message came as parts (string content stays a
+    string); moved volatile text is a text part."""
+    if not isinstance(message["content"], list):
+        return wire
+    content = [{"type": "document" if kind == "document" else "text", "text": text} for kind, text in parts]
+    return {**wire, "content": content or wire["content"]}
 
 
 def _join(parts: list[tuple[str, str]], blend_separator: str | None) -> str:

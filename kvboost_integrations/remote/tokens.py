@@ -1,8 +1,9 @@
 """Counting tokens for a remote model: the server's own tokenizer, or a local one if given.
 
-vLLM and llama-server both serve `POST /tokenize` (different request fields); chat prompts
-are counted with the server's chat template (vLLM tokenizes messages, llama-server applies its
-template with /apply-template first). A server of another kind has no tokenizer endpoint: its
+vLLM, llama-server and our own server (kvboost_engine.serve, in vLLM's shape) serve
+`POST /tokenize` (different request fields); chat prompts are counted with the server's chat
+template (vLLM and ours tokenize messages, ours with document parts as the chat request sends
+them; llama-server applies its template with /apply-template first). A server of another kind has no tokenizer endpoint: its
 counts are estimated at 4 characters per token (pass `tokenizer=` for exact counts).
 
 `ServerTokenizer` can be called like an HF tokenizer (`tok(text)["input_ids"]`), which is what
@@ -18,16 +19,18 @@ from collections.abc import Callable
 
 CHARS_PER_TOKEN = 4        # the estimate for servers without /tokenize
 MESSAGE_OVERHEAD = 8       # estimated template tokens per message, same case
+VLLM_SHAPE = ("vllm", "kvboost")    # kinds whose /tokenize takes vLLM's fields
 
 
 class ServerTokenizer:
-    """Text -> token ids through `post(path, body)` on a server of `kind` ("vllm", "llamacpp", other)."""
+    """Text -> token ids through `post(path, body)` on a server of `kind` ("vllm", "llamacpp",
+    "kvboost", other)."""
 
     def __init__(self, post: Callable[[str, dict], dict], kind: str, model: str, capacity: int = 4096):
         self._post = post
         self.kind = kind
         self.model = model
-        self.exact = kind in ("vllm", "llamacpp")
+        self.exact = kind in ("vllm", "llamacpp", "kvboost")
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
@@ -51,7 +54,7 @@ class ServerTokenizer:
     def _tokenize(self, text: str) -> list[int]:
         if not text:
             return []
-        if self.kind == "vllm":
+        if self.kind in VLLM_SHAPE:
             return list(self._post("/tokenize", {"model": self.model, "prompt": text,
                                                  "add_special_tokens": False})["tokens"])
         if self.kind == "llamacpp":
@@ -63,7 +66,7 @@ class ServerTokenizer:
         """Prompt tokens of wire `messages` (and `tools`) with the server's chat template and
         generation prompt."""
         with_tools = {"tools": tools} if tools else {}
-        if self.kind == "vllm":
+        if self.kind in VLLM_SHAPE:
             return int(self._post("/tokenize", {"model": self.model, "messages": messages,
                                                 "add_generation_prompt": True, **with_tools})["count"])
         if self.kind == "llamacpp":
