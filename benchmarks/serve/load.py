@@ -1,0 +1,217 @@
+"""Load test of our OpenAI-compatible server: one server process, several client processes.
+
+    python -m benchmarks.serve.load [--quick] [--clients 4] [--streams 8] [--requests 12]
+                                    [--max-tokens 24] [--seed 0] [--out benchmarks/results/serve_load.json]
+
+Starts `python -m kvboost_engine.serve` (the default model, fp32, on 127.0.0.1, a free port) as a
+subprocess, then `--clients` client processes (multiprocessing, spawned), each with `--streams`
+concurrent streams (asyncio, the openai client) running `--requests` requests each: chat turns,
+RAG questions with two QA-set documents as document parts, streams cancelled after two deltas, and
+clients that stop waiting after 0.3 s and drop the connection (benchmarks/serve/workload.py).
+
+Recorded: errors other than the intended refusals (429/503; must be 0); leaked KV (the server's
+/metrics `kvboost_kv_bytes{holder="in_use"}` and `kvboost_requests_running` once the clients are
+done: must return to 0); the server's RSS sampled every 0.5 s (flat after warm-up); TTFT p50/p99
+(from the call to the first text delta, all completed streams, and "warm" ones: with cached prompt
+tokens); aggregate completion tokens/s of completed requests over the load's wall time; the cache
+hit rate (cached / prompt tokens of completed requests). `--quick`: 2 clients x 4 streams x 3
+requests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from .clients import new_outcome, run_client
+from .workload import percentiles
+
+READY_TIMEOUT_S = 300
+DRAIN_WAIT_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int) -> subprocess.Popen:
+    """Our server on 127.0.0.1:port (default model, fp32), once /health answers ok."""
+    command = [sys.executable, "-m", "kvboost_engine.serve", "--port", str(port), "--dtype", "float32",
+               "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+        try:
+            if json.loads(_get(port, "/health")).get("status") == "ok":
+                return process
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"the server did not answer /health within {READY_TIMEOUT_S} s")
+
+
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def gauges(port: int) -> dict[str, float]:
+    """The server's /metrics samples without labels, plus kv_bytes.<holder>."""
+    out = {}
+    for line in _get(port, "/metrics").splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith('kvboost_kv_bytes{holder="'):
+            out["kv_bytes." + name.split('"')[1]] = float(value)
+        elif "{" not in name:
+            out[name] = float(value)
+    return out
+
+
+def rss_of(pid: int) -> int:
+    """Resident bytes of process `pid` (Linux /proc; 0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class RssSampler:
+    """Samples a process's RSS every `every_s` seconds on a thread: [(seconds, MiB)]."""
+
+    def __init__(self, pid: int, every_s: float = 0.5):
+        self.pid, self.every_s, self.samples = pid, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = time.perf_counter()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((round(time.perf_counter() - self._started, 2), round(rss_of(self.pid) / 2**20, 1)))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def merge(outcomes: list[dict]) -> dict:
+    total = new_outcome()
+    for outcome in outcomes:
+        for key, value in outcome.items():
+            if key in total:
+                total[key] = total[key] + value
+    return total
+
+
+def summarize(total: dict, seconds: float) -> dict:
+    """The figures of a run from its merged outcome."""
+    return {
+        "requests": {k: total[k] for k in ("completed", "cancelled", "disconnected", "refused")},
+        "errors": len(total["errors"]), "error_samples": total["errors"][:10],
+        "ttft_s": percentiles(total["ttft_s"]), "warm_ttft_s": percentiles(total["warm_ttft_s"]),
+        "completion_tokens": total["completion_tokens"], "seconds": round(seconds, 2),
+        "tokens_per_s": round(total["completion_tokens"] / seconds, 2) if seconds else None,
+        "cache_hit_rate": round(total["cached_tokens"] / total["prompt_tokens"], 3) if total["prompt_tokens"] else None,
+    }
+
+
+def run_clients(target, args: argparse.Namespace, extra: tuple) -> tuple[list[dict], float]:
+    """`args.clients` spawned processes each running `target(*extra, client, streams, requests, seed,
+    max_tokens)`; their outcomes and the wall time until the last one finished."""
+    context = multiprocessing.get_context("spawn")
+    jobs = [(*extra, client, args.streams, args.requests, args.seed, args.max_tokens) for client in range(args.clients)]
+    started = time.perf_counter()
+    with context.Pool(args.clients) as pool:
+        outcomes = pool.starmap(target, jobs)
+    return outcomes, time.perf_counter() - started
+
+
+def serve_run(args: argparse.Namespace) -> dict:
+    """The workload against one server process."""
+    port = free_port()
+    server = start_server(port)
+    try:
+        model = json.loads(_get(port, "/v1/models"))["data"][0]["id"]
+        with RssSampler(server.pid) as rss:
+            outcomes, seconds = run_clients(run_client, args, (f"http://127.0.0.1:{port}/v1", model))
+            after = settle(port)
+        result = summarize(merge(outcomes), seconds)
+        result["after_clients"] = after
+        mib = [m for _, m in rss.samples]
+        result["server_rss_mib"] = {"first": mib[0], "max": max(mib), "last": mib[-1],
+                                    "samples": rss.samples[:: max(1, len(rss.samples) // 200)]}
+        return result
+    finally:
+        server.terminate()
+        try:
+            server.wait(DRAIN_WAIT_S + 10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def settle(port: int) -> dict:
+    """Wait (up to DRAIN_WAIT_S) for in-use KV and running requests to return to 0; the gauges then."""
+    deadline = time.monotonic() + DRAIN_WAIT_S
+    while True:
+        now = gauges(port)
+        if (now.get("kv_bytes.in_use", 0) == 0 and now.get("kvboost_requests_running", 0) == 0) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    keep = ("kv_bytes.in_use", "kv_bytes.cached", "kv_bytes.pool", "kvboost_requests_running",
+            "kvboost_requests_waiting", "kvboost_prompt_tokens_total", "kvboost_generation_tokens_total")
+    return {key: now.get(key) for key in keep}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve.load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 clients x 4 streams x 3 requests")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams per client process")
+    p.add_argument("--requests", type=int, default=12, help="requests per stream")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.clients, args.streams, args.requests = 2, 4, 3
+    from .._common import save_result
+    settings = {k: getattr(args, k) for k in ("clients", "streams", "requests", "max_tokens", "seed", "quick")}
+    machine = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
+               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+    result = {"settings": settings, "machine": machine,
+              "server": serve_run(args)}
+    result["machine"]["load_average_after"] = os.getloadavg()[0]
+    path = save_result(result, args.out, "serve_load_quick" if args.quick else "serve_load")
+    print(json.dumps({k: v for k, v in result["server"].items() if k != "server_rss_mib"}, indent=1))
+    print(f"server RSS MiB: {result['server']['server_rss_mib'] | {'samples': '...'}}\nwritten to {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
