@@ -8,6 +8,7 @@ first deltas, as intended), disconnected (gave up waiting, as intended), refused
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 
 from .workload import CANCEL_AFTER_DELTAS, DISCONNECT_AFTER_S, LoadRequest, plan
@@ -17,7 +18,7 @@ REFUSALS = (429, 503)
 
 def new_outcome() -> dict:
     return {"completed": 0, "cancelled": 0, "disconnected": 0, "refused": 0, "errors": [], "ttft_s": [],
-            "warm_ttft_s": [], "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+            "warm_ttft_s": [], "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "rss_mib": 0.0}
 
 
 def run_client(url: str, model: str, client: int, streams: int, requests: int, seed: int, max_tokens: int) -> dict:
@@ -33,6 +34,7 @@ async def _client(url, model, client, streams, requests, seed, max_tokens) -> di
     started = time.perf_counter()
     await asyncio.gather(*(_stream(api, model, p, outcome) for p in plans))
     outcome["seconds"] = time.perf_counter() - started
+    outcome["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     await api.close()
     return outcome
 

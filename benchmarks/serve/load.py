@@ -1,7 +1,8 @@
 """Load test of our OpenAI-compatible server: one server process, several client processes.
 
-    python -m benchmarks.serve.load [--quick] [--clients 4] [--streams 8] [--requests 12]
-                                    [--max-tokens 24] [--seed 0] [--out benchmarks/results/serve_load.json]
+    python -m benchmarks.serve.load [--quick] [--mode server|embedded|both] [--clients 4] [--streams 8]
+                                    [--requests 12] [--max-tokens 24] [--seed 0]
+                                    [--out benchmarks/results/serve_load.json]
 
 Starts `python -m kvboost_engine.serve` (the default model, fp32, on 127.0.0.1, a free port) as a
 subprocess, then `--clients` client processes (multiprocessing, spawned), each with `--streams`
@@ -14,8 +15,12 @@ Recorded: errors other than the intended refusals (429/503; must be 0); leaked K
 done: must return to 0); the server's RSS sampled every 0.5 s (flat after warm-up); TTFT p50/p99
 (from the call to the first text delta, all completed streams, and "warm" ones: with cached prompt
 tokens); aggregate completion tokens/s of completed requests over the load's wall time; the cache
-hit rate (cached / prompt tokens of completed requests). `--quick`: 2 clients x 4 streams x 3
-requests.
+hit rate (cached / prompt tokens of completed requests); the client processes' peak RSS, summed.
+
+`--mode embedded` runs the same workload with no server: each client process loads its own Engine
+(torch threads: CPU count / clients, at least 1) and runs its streams on threads
+(benchmarks/serve/embedded.py); `--mode both` runs the server first, then the embedded engines.
+`--quick`: 2 clients x 4 streams x 3 requests.
 """
 from __future__ import annotations
 
@@ -31,10 +36,12 @@ import time
 import urllib.request
 
 from .clients import new_outcome, run_client
+from .embedded import run_embedded_client
 from .workload import percentiles
 
 READY_TIMEOUT_S = 300
 DRAIN_WAIT_S = 30
+EMBEDDED_TIMEOUT_S = 3600       # longest wait for an embedded client process's outcome
 
 
 def free_port() -> int:
@@ -133,6 +140,7 @@ def summarize(total: dict, seconds: float) -> dict:
         "completion_tokens": total["completion_tokens"], "seconds": round(seconds, 2),
         "tokens_per_s": round(total["completion_tokens"] / seconds, 2) if seconds else None,
         "cache_hit_rate": round(total["cached_tokens"] / total["prompt_tokens"], 3) if total["prompt_tokens"] else None,
+        "client_rss_mib_total": round(total["rss_mib"], 1),
     }
 
 
@@ -170,6 +178,26 @@ def serve_run(args: argparse.Namespace) -> dict:
             server.kill()
 
 
+def embedded_run(args: argparse.Namespace) -> dict:
+    """The workload on one embedded engine per client process (no server)."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(args.clients), context.Queue()
+    threads = max(1, (os.cpu_count() or 1) // args.clients)
+    processes = [context.Process(target=run_embedded_client, args=(barrier, results, threads, client, args.streams,
+                                                                     args.requests, args.seed, args.max_tokens))
+                 for client in range(args.clients)]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=EMBEDDED_TIMEOUT_S) for _ in processes]
+    for process in processes:
+        process.join()
+    timed = [o for o in outcomes if "started" in o]
+    seconds = max(o["ended"] for o in timed) - min(o["started"] for o in timed) if timed else 0.0
+    result = summarize(merge(outcomes), seconds)
+    result["torch_threads_per_process"] = threads
+    return result
+
+
 def settle(port: int) -> dict:
     """Wait (up to DRAIN_WAIT_S) for in-use KV and running requests to return to 0; the gauges then."""
     deadline = time.monotonic() + DRAIN_WAIT_S
@@ -187,6 +215,8 @@ def settle(port: int) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 clients x 4 streams x 3 requests")
+    p.add_argument("--mode", choices=("server", "embedded", "both"), default="server",
+                   help="our server (default), one embedded engine per client process, or both in turn")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--streams", type=int, default=8, help="concurrent streams per client process")
     p.add_argument("--requests", type=int, default=12, help="requests per stream")
@@ -201,15 +231,23 @@ def main(argv=None) -> dict:
     if args.quick:
         args.clients, args.streams, args.requests = 2, 4, 3
     from .._common import save_result
-    settings = {k: getattr(args, k) for k in ("clients", "streams", "requests", "max_tokens", "seed", "quick")}
+    settings = {k: getattr(args, k) for k in ("mode", "clients", "streams", "requests", "max_tokens", "seed", "quick")}
     machine = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
-    result = {"settings": settings, "machine": machine,
-              "server": serve_run(args)}
+    result = {"settings": settings, "machine": machine}
+    if args.mode in ("server", "both"):
+        result["server"] = serve_run(args)
+    if args.mode in ("embedded", "both"):
+        result["embedded"] = embedded_run(args)
     result["machine"]["load_average_after"] = os.getloadavg()[0]
     path = save_result(result, args.out, "serve_load_quick" if args.quick else "serve_load")
-    print(json.dumps({k: v for k, v in result["server"].items() if k != "server_rss_mib"}, indent=1))
-    print(f"server RSS MiB: {result['server']['server_rss_mib'] | {'samples': '...'}}\nwritten to {path}")
+    for mode in ("server", "embedded"):
+        if mode in result:
+            shown = {k: v for k, v in result[mode].items() if k != "server_rss_mib"}
+            print(f"{mode}: {json.dumps(shown)}")
+    if "server" in result:
+        print(f"server RSS MiB: {result['server']['server_rss_mib'] | {'samples': '...'}}")
+    print(f"written to {path}")
     return result
 
 
