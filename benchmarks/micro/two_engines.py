@@ -4,8 +4,9 @@ a notebook beside a service): each engine's decode speed together, as a ratio of
 Two copies of the default model are loaded (as two models in one app would be), each behind its own
 Engine (cache off, the default thread count: each engine's OpenMP team is as wide as torch's). Per
 repeat: engine A alone, engine B alone, then A and B at once, each from its own thread, started
-together; every run greedily decodes `--tokens` tokens after the same short prompt. Decode speed is
+together; every run greedily decodes `--tokens` tokens after its own short prompt. Decode speed is
 (tokens - 1) / (total - TTFT) of each reply; medians over `--repeats`, after one warm-up each.
+Ratio: the median over repeats of together / alone (each repeat against its own alone runs).
 Both with the native decode step (the default) and with `native_decode=False` (PyTorch ops).
 The replies together are checked against the replies alone (greedy: they must be the same).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 
@@ -51,11 +53,11 @@ def together(engines: list[Engine], tokens: int) -> list:
 
 
 def measure(engines: list[Engine], tokens: int, repeats: int) -> dict:
-    """Alone and together tok/s per engine (medians), their ratio, and whether replies matched."""
+    """Alone and together tok/s per engine (medians), the median of each repeat's ratio (together
+    over the alone runs just before it: steadier on a shared machine), and whether replies matched."""
     for i, engine in enumerate(engines):
         run(engine, PROMPTS[i], tokens)                            # warm-up
-    alone = [[] for _ in engines]
-    both = [[] for _ in engines]
+    alone, both, ratios = ([[] for _ in engines] for _ in range(3))
     same = True
     for _ in range(repeats):
         solo = [run(engine, PROMPTS[i], tokens) for i, engine in enumerate(engines)]
@@ -63,11 +65,11 @@ def measure(engines: list[Engine], tokens: int, repeats: int) -> dict:
         for i in range(len(engines)):
             alone[i].append(decode_tok_s(solo[i]))
             both[i].append(decode_tok_s(pair[i]))
+            ratios[i].append(both[i][-1] / alone[i][-1])
             same = same and solo[i].token_ids == pair[i].token_ids
-    rows = []
-    for i in range(len(engines)):
-        a, b = statistics.median(alone[i]), statistics.median(both[i])
-        rows.append({"alone_tok_s": round(a, 1), "together_tok_s": round(b, 1), "ratio": round(b / a, 2)})
+    rows = [{"alone_tok_s": round(statistics.median(alone[i]), 1),
+             "together_tok_s": round(statistics.median(both[i]), 1),
+             "ratio": round(statistics.median(ratios[i]), 2)} for i in range(len(engines))]
     return {"engines": rows, "replies_same_as_alone": same,
             "native_decode": [e.stats()["native_decode"] for e in engines]}
 
@@ -90,6 +92,7 @@ def main(argv=None) -> None:
             for engine in engines:
                 engine.close()
         print(name, json.dumps(result[name]), flush=True)
+    result["load_average_after"] = os.getloadavg()[0]          # others' work on the machine skews both
     path = save_result(result, args.out, "two_engines")
     print(f"saved {path}")
 
