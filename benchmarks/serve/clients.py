@@ -8,10 +8,9 @@ first deltas, as intended), disconnected (gave up waiting, as intended), refused
 from __future__ import annotations
 
 import asyncio
-import resource
 import time
 
-from .workload import CANCEL_AFTER_DELTAS, DISCONNECT_AFTER_S, LoadRequest, plan
+from .workload import CANCEL_AFTER_DELTAS, DISCONNECT_AFTER_S, LoadRequest, peak_rss_mib, plan
 
 REFUSALS = (429, 503)
 
@@ -34,7 +33,7 @@ async def _client(url, model, client, streams, requests, seed, max_tokens) -> di
     started = time.perf_counter()
     await asyncio.gather(*(_stream(api, model, p, outcome) for p in plans))
     outcome["seconds"] = time.perf_counter() - started
-    outcome["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    outcome["rss_mib"] = peak_rss_mib()
     await api.close()
     return outcome
 

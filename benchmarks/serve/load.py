@@ -16,6 +16,7 @@ done: must return to 0); the server's RSS sampled every 0.5 s (flat after warm-u
 (from the call to the first text delta, all completed streams, and "warm" ones: with cached prompt
 tokens); aggregate completion tokens/s of completed requests over the load's wall time; the cache
 hit rate (cached / prompt tokens of completed requests); the client processes' peak RSS, summed.
+OMP_WAIT_POLICY is PASSIVE unless set (recorded): spinning OpenMP threads stall on a busy machine.
 
 `--mode embedded` runs the same workload with no server: each client process loads its own Engine
 (torch threads: CPU count / clients, at least 1) and runs its streams on threads
@@ -231,6 +232,9 @@ def main(argv=None) -> dict:
     if args.quick:
         args.clients, args.streams, args.requests = 2, 4, 3
     from .._common import save_result
+    # OpenMP threads that spin at barriers slow a multi-thread engine 10-100x on a busy machine;
+    # passive waiting unless the caller chose (inherited by the server and the client processes)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     settings = {k: getattr(args, k) for k in ("mode", "clients", "streams", "requests", "max_tokens", "seed", "quick")}
     machine = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}

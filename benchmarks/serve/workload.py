@@ -53,6 +53,19 @@ def plan(seed: int, client: int, stream: int, requests: int, max_tokens: int = 2
     return out
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB (Linux VmHWM: unlike ru_maxrss, it does not carry the
+    parent's peak over into a spawned process); 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def percentiles(values: list[float]) -> dict:
     """p50, p99, max (None when empty), rounded to milliseconds."""
     if not values:
