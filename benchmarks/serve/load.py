@@ -1,7 +1,7 @@
 """Load test of our OpenAI-compatible server: one server process, several client processes.
 
     python -m benchmarks.serve.load [--quick] [--mode server|embedded|both] [--clients 4] [--streams 8]
-                                    [--requests 12] [--max-tokens 24] [--seed 0]
+                                    [--requests 12] [--max-tokens 24] [--seed 0] [--cache-bytes 256MiB]
                                     [--out benchmarks/results/serve_load.json]
 
 Starts `python -m kvboost_engine.serve` (the default model, fp32, on 127.0.0.1, a free port) as a
@@ -51,10 +51,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, cache_bytes: str | None = None) -> subprocess.Popen:
     """Our server on 127.0.0.1:port (default model, fp32), once /health answers ok."""
     command = [sys.executable, "-m", "kvboost_engine.serve", "--port", str(port), "--dtype", "float32",
-               "--log-level", "warning"]
+               "--log-level", "warning", *(["--cache-bytes", cache_bytes] if cache_bytes else [])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -101,17 +101,24 @@ def rss_of(pid: int) -> int:
 
 
 class RssSampler:
-    """Samples a process's RSS every `every_s` seconds on a thread: [(seconds, MiB)]."""
+    """Samples a process's RSS every `every_s` seconds on a thread: [(seconds, RSS MiB, cached KV MiB)]
+    (the server's RSS grows with its KV cache until the cache budget is reached: RSS minus cached KV
+    is what must stay flat)."""
 
-    def __init__(self, pid: int, every_s: float = 0.5):
-        self.pid, self.every_s, self.samples = pid, every_s, []
+    def __init__(self, pid: int, port: int, every_s: float = 0.5):
+        self.pid, self.port, self.every_s, self.samples = pid, port, every_s, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._started = time.perf_counter()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((round(time.perf_counter() - self._started, 2), round(rss_of(self.pid) / 2**20, 1)))
+            try:
+                cached = gauges(self.port).get("kv_bytes.cached", 0) / 2**20
+            except OSError:
+                cached = float("nan")
+            self.samples.append((round(time.perf_counter() - self._started, 2), round(rss_of(self.pid) / 2**20, 1),
+                                 round(cached, 1)))
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> "RssSampler":
@@ -159,16 +166,19 @@ def run_clients(target, args: argparse.Namespace, extra: tuple) -> tuple[list[di
 def serve_run(args: argparse.Namespace) -> dict:
     """The workload against one server process."""
     port = free_port()
-    server = start_server(port)
+    server = start_server(port, args.cache_bytes)
     try:
         model = json.loads(_get(port, "/v1/models"))["data"][0]["id"]
-        with RssSampler(server.pid) as rss:
+        with RssSampler(server.pid, port) as rss:
             outcomes, seconds = run_clients(run_client, args, (f"http://127.0.0.1:{port}/v1", model))
             after = settle(port)
         result = summarize(merge(outcomes), seconds)
         result["after_clients"] = after
-        mib = [m for _, m in rss.samples]
+        mib = [m for _, m, _ in rss.samples]
+        beyond_kv = [m - kv for _, m, kv in rss.samples]
         result["server_rss_mib"] = {"first": mib[0], "max": max(mib), "last": mib[-1],
+                                    "minus_cached_kv": {"first": beyond_kv[0], "max": round(max(beyond_kv), 1),
+                                                        "last": beyond_kv[-1]},
                                     "samples": rss.samples[:: max(1, len(rss.samples) // 200)]}
         return result
     finally:
@@ -223,6 +233,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=12, help="requests per stream")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-bytes", default=None, help="the server's KV cache budget, e.g. 256MiB (default: the "
+                   "engine's); a budget the run fills shows RSS at its plateau")
     p.add_argument("--out", default=None)
     return p
 
@@ -235,7 +247,8 @@ def main(argv=None) -> dict:
     # OpenMP threads that spin at barriers slow a multi-thread engine 10-100x on a busy machine;
     # passive waiting unless the caller chose (inherited by the server and the client processes)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    settings = {k: getattr(args, k) for k in ("mode", "clients", "streams", "requests", "max_tokens", "seed", "quick")}
+    settings = {k: getattr(args, k) for k in ("mode", "clients", "streams", "requests", "max_tokens", "seed", "quick",
+                                                "cache_bytes")}
     machine = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     result = {"settings": settings, "machine": machine}
