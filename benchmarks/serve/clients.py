@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .workload import CANCEL_AFTER_DELTAS, DISCONNECT_AFTER_S, LoadRequest, peak_rss_mib, plan
+from dataclasses import replace
+
+from .workload import CANCEL_AFTER_DELTAS, DISCONNECT_AFTER_S, LoadRequest, as_text, peak_rss_mib, plan
 
 REFUSALS = (429, 503)
 
@@ -20,16 +22,20 @@ def new_outcome() -> dict:
             "warm_ttft_s": [], "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "rss_mib": 0.0}
 
 
-def run_client(url: str, model: str, client: int, streams: int, requests: int, seed: int, max_tokens: int) -> dict:
-    """Run one client process's streams to their end; its outcome (see `new_outcome`)."""
-    return asyncio.run(_client(url, model, client, streams, requests, seed, max_tokens))
+def run_client(url: str, model: str, client: int, streams: int, requests: int, seed: int, max_tokens: int,
+               text_documents: bool = False) -> dict:
+    """Run one client process's streams to their end; its outcome (see `new_outcome`). `text_documents`:
+    document parts sent as plain text (a server other than ours)."""
+    return asyncio.run(_client(url, model, client, streams, requests, seed, max_tokens, text_documents))
 
 
-async def _client(url, model, client, streams, requests, seed, max_tokens) -> dict:
+async def _client(url, model, client, streams, requests, seed, max_tokens, text_documents=False) -> dict:
     import openai
     outcome = new_outcome()
     api = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
     plans = [plan(seed, client, s, requests, max_tokens) for s in range(streams)]
+    if text_documents:
+        plans = [[replace(r, messages=as_text(r.messages)) for r in p] for p in plans]
     started = time.perf_counter()
     await asyncio.gather(*(_stream(api, model, p, outcome) for p in plans))
     outcome["seconds"] = time.perf_counter() - started
@@ -60,10 +66,11 @@ async def _streamed(api, model: str, request: LoadRequest, outcome: dict) -> Non
     started = time.perf_counter()
     stream = await api.chat.completions.create(model=model, messages=request.messages, max_tokens=request.max_tokens,
                                                temperature=0, stream=True, stream_options={"include_usage": True})
-    ttft, deltas, finished, usage = None, 0, False, None
+    ttft, deltas, finished, usage, timings = None, 0, False, None, None
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+        timings = (chunk.model_extra or {}).get("timings") or timings      # llama-server's cache_n
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
@@ -77,7 +84,16 @@ async def _streamed(api, model: str, request: LoadRequest, outcome: dict) -> Non
             return
     if not finished or usage is None:
         raise RuntimeError(f"the stream ended without {'a finish_reason' if not finished else 'its usage'}")
-    _count(outcome, ttft, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens)
+    _count(outcome, ttft, usage.prompt_tokens, _cached(usage, timings), usage.completion_tokens)
+
+
+def _cached(usage, timings: dict | None) -> int:
+    """Prompt tokens served from the server's cache: the usage's cached_tokens, else llama-server's
+    timings.cache_n."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    if details is not None and details.cached_tokens is not None:
+        return details.cached_tokens
+    return int((timings or {}).get("cache_n") or 0)
 
 
 async def _disconnect(api, model: str, request: LoadRequest, outcome: dict) -> None:
@@ -93,7 +109,7 @@ async def _disconnect(api, model: str, request: LoadRequest, outcome: dict) -> N
     usage = getattr(reply, "usage", None)
     if usage is None:
         raise RuntimeError(f"a non-streamed reply without usage: {str(reply)[:80]!r}")
-    _count(outcome, None, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens,
+    _count(outcome, None, usage.prompt_tokens, _cached(usage, (reply.model_extra or {}).get("timings")),
            usage.completion_tokens)
 
 

@@ -21,6 +21,9 @@ OMP_WAIT_POLICY is PASSIVE unless set (recorded): spinning OpenMP threads stall 
 `--mode embedded` runs the same workload with no server: each client process loads its own Engine
 (torch threads: CPU count / clients, at least 1) and runs its streams on threads
 (benchmarks/serve/embedded.py); `--mode both` runs the server first, then the embedded engines.
+`--mode llama-server` runs it against llama-server (built by `bash .ci/remote.sh`) on the same GGUF
+(Q4_1 as stored: our server dequantizes it to fp32), one slot per stream of a client (`-np`), its
+prompt cache on, document parts sent as text; `--mode all` runs the three in turn.
 `--quick`: 2 clients x 4 streams x 3 requests.
 """
 from __future__ import annotations
@@ -105,7 +108,7 @@ class RssSampler:
     (the server's RSS grows with its KV cache until the cache budget is reached: RSS minus cached KV
     is what must stay flat)."""
 
-    def __init__(self, pid: int, port: int, every_s: float = 0.5):
+    def __init__(self, pid: int, port: int | None, every_s: float = 0.5):
         self.pid, self.port, self.every_s, self.samples = pid, port, every_s, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -114,7 +117,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                cached = gauges(self.port).get("kv_bytes.cached", 0) / 2**20
+                cached = gauges(self.port).get("kv_bytes.cached", 0) / 2**20 if self.port else 0.0
             except OSError:
                 cached = float("nan")
             self.samples.append((round(time.perf_counter() - self._started, 2), round(rss_of(self.pid) / 2**20, 1),
@@ -152,11 +155,12 @@ def summarize(total: dict, seconds: float) -> dict:
     }
 
 
-def run_clients(target, args: argparse.Namespace, extra: tuple) -> tuple[list[dict], float]:
+def run_clients(target, args: argparse.Namespace, extra: tuple, *after) -> tuple[list[dict], float]:
     """`args.clients` spawned processes each running `target(*extra, client, streams, requests, seed,
-    max_tokens)`; their outcomes and the wall time until the last one finished."""
+    max_tokens, *after)`; their outcomes and the wall time until the last one finished."""
     context = multiprocessing.get_context("spawn")
-    jobs = [(*extra, client, args.streams, args.requests, args.seed, args.max_tokens) for client in range(args.clients)]
+    jobs = [(*extra, client, args.streams, args.requests, args.seed, args.max_tokens, *after)
+            for client in range(args.clients)]
     started = time.perf_counter()
     with context.Pool(args.clients) as pool:
         outcomes = pool.starmap(target, jobs)
@@ -187,6 +191,22 @@ def serve_run(args: argparse.Namespace) -> dict:
             server.wait(DRAIN_WAIT_S + 10)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def llama_run(args: argparse.Namespace) -> dict:
+    """The workload against llama-server (built by .ci/remote.sh) on the same GGUF, Q4_1 as stored:
+    one slot per concurrent stream of a client (`-np`), its prompt cache on, all cores; document parts
+    sent as text (it knows none)."""
+    from kvboost_tools.servers import SERVED_NAME, start_llama_server
+    slots = args.streams
+    with start_llama_server(slots=slots, context=2048 * slots, threads=os.cpu_count() or 1) as server:
+        with RssSampler(server.process.pid, None) as rss:
+            outcomes, seconds = run_clients(run_client, args, (server.url, SERVED_NAME), True)
+        result = summarize(merge(outcomes), seconds)
+        mib = [m for _, m, _ in rss.samples]
+        result["server_rss_mib"] = {"first": mib[0], "max": max(mib), "last": mib[-1]}
+        result["slots"] = slots
+        return result
 
 
 def embedded_run(args: argparse.Namespace) -> dict:
@@ -226,8 +246,9 @@ def settle(port: int) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 clients x 4 streams x 3 requests")
-    p.add_argument("--mode", choices=("server", "embedded", "both"), default="server",
-                   help="our server (default), one embedded engine per client process, or both in turn")
+    p.add_argument("--mode", choices=("server", "embedded", "both", "llama-server", "all"), default="server",
+                   help="our server (default), one embedded engine per client process, both in turn, llama-server "
+                        "on the same GGUF (built by .ci/remote.sh), or all three in turn")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--streams", type=int, default=8, help="concurrent streams per client process")
     p.add_argument("--requests", type=int, default=12, help="requests per stream")
@@ -252,13 +273,15 @@ def main(argv=None) -> dict:
     machine = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     result = {"settings": settings, "machine": machine}
-    if args.mode in ("server", "both"):
+    if args.mode in ("server", "both", "all"):
         result["server"] = serve_run(args)
-    if args.mode in ("embedded", "both"):
+    if args.mode in ("embedded", "both", "all"):
         result["embedded"] = embedded_run(args)
+    if args.mode in ("llama-server", "all"):
+        result["llama_server"] = llama_run(args)
     result["machine"]["load_average_after"] = os.getloadavg()[0]
     path = save_result(result, args.out, "serve_load_quick" if args.quick else "serve_load")
-    for mode in ("server", "embedded"):
+    for mode in ("server", "embedded", "llama_server"):
         if mode in result:
             shown = {k: v for k, v in result[mode].items() if k != "server_rss_mib"}
             print(f"{mode}: {json.dumps(shown)}")

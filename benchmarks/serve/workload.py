@@ -53,6 +53,15 @@ def plan(seed: int, client: int, stream: int, requests: int, max_tokens: int = 2
     return out
 
 
+def as_text(messages: list) -> list:
+    """The messages with content parts joined as plain text (for a server that knows no document parts)."""
+    def flat(content):
+        if isinstance(content, str):
+            return content
+        return "\n\n".join(part["text"] for part in content)
+    return [{**m, "content": flat(m["content"])} for m in messages]
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory in MiB (Linux VmHWM: unlike ru_maxrss, it does not carry the
     parent's peak over into a spawned process); 0 where /proc is missing."""
