@@ -32,12 +32,13 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+
+from kvboost_tools.servers import free_port
 
 from .clients import new_outcome, run_client
 from .embedded import run_embedded_client
@@ -46,12 +47,6 @@ from .workload import percentiles
 READY_TIMEOUT_S = 300
 DRAIN_WAIT_S = 30
 EMBEDDED_TIMEOUT_S = 3600       # longest wait for an embedded client process's outcome
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(port: int, cache_bytes: str | None = None) -> subprocess.Popen:
