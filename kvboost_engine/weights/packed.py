@@ -1,0 +1,124 @@
+"""Linear layers and embeddings stored in the native kernel's tile layout, the numbers of a
+quantized file kept exactly (GGUF Q4_0 / Q4_1 / Q8_0 / K-quants; weights/gguf_model.py builds them).
+
+A weight [N, K] is stored as integer codes (4 or 8 bits) with, per row and block of 32 input
+columns, a scale `d` and the value of code 0 `m`: w[n, k] = code * d + m. Tiles of 16 rows x 32
+columns (`pack_codes`): what native/decode.cpp reads with vpdpbusd, so the native step reads these
+very tensors, with no copy. `d` and `m` keep the file's own precision: float16 for Q4_0 / Q4_1 /
+Q8_0 (GGUF stores fp16; Q4_0's m = -8 d and Q8_0's m = -128 d are exact in fp16 too), float32 for
+the K-quants (d * sub-block scale: an fp16 times a 6-bit integer, exact in fp32 only).
+
+The PyTorch path (prefill until the native kernel family takes it, CPUs without the native step)
+dequantizes a layer's weight per forward (`dequantized`): a transient float copy of one matrix,
+never of the model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TILE, BLOCK = 16, 32                # rows per tile, columns per block (one d and one m per row and block)
+SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+               scale_dtype: torch.dtype = torch.bfloat16, offset_dtype: torch.dtype = torch.float32) -> dict:
+    """codes uint8 [N, K] (< 2**bits), scale [N, K/32], offset [N, K/32] (what code 0 decodes to)
+    -> the kernel's tiles {"codes": uint8, "d": scale_dtype, "m": offset_dtype}, each flat:
+    codes [tiles, blocks, 256 (4-bit: octet, half, row, 4 cols) or 512 (8-bit: quad, row, 4 cols)],
+    d and m [tiles, blocks, 16 rows]. The caller checks the scales are exact in their dtype."""
+    n, k = codes.shape
+    tiles, blocks = n // TILE, k // BLOCK
+    if bits == 4:
+        c = codes.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)    # [T, B, octet, half, row, col]
+        packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()
+    else:
+        packed = codes.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    d = scale.to(scale_dtype).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
+    m = offset.to(offset_dtype).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
+    return {"codes": packed.view(-1), "d": d.view(-1), "m": m.view(-1)}
+
+
+def unpack_codes(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """The inverse of pack_codes for the codes: uint8 [N, K]."""
+    tiles, blocks = n // TILE, k // BLOCK
+    if bits == 4:
+        p = packed.view(tiles, blocks, 4, TILE, 4)                                  # [T, B, octet, row, col]
+        c = torch.stack([p & 15, p >> 4], dim=3)                                    # [T, B, octet, half, row, col]
+        return c.permute(0, 4, 1, 2, 3, 5).reshape(n, k)
+    return packed.view(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+
+
+def unpack_scales(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """d or m back to [N, K/32] float32."""
+    return flat.view(n // TILE, k // BLOCK, TILE).permute(0, 2, 1).reshape(n, k // BLOCK).float()
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear over a packed weight (module docstring): buffers codes, d, m (and bias)."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+                 out_features: int, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if bits not in (4, 8) or out_features % TILE or in_features % BLOCK:
+            raise ValueError(f"a packed weight is 4- or 8-bit with rows a multiple of {TILE} and columns of "
+                             f"{BLOCK}; got {bits} bits, [{out_features}, {in_features}]")
+        if d.dtype not in SCALE_DTYPES or m.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"scales d {d.dtype} / m {m.dtype}: d is bf16, fp16 or fp32, m fp16 or fp32")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.exact_top = 0              # the native head recomputes its best rows in float (as _FormatLinear)
+        self.register_buffer("codes", codes)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def dequantized(self, rows: slice | None = None) -> torch.Tensor:
+        """The weight as float32 [N, K] (exactly code * d + m: an fp16/fp32 product and sum)."""
+        n, k = self.out_features, self.in_features
+        codes = unpack_codes(self.codes, n, k, self.bits).view(n, k // BLOCK, BLOCK)
+        d = unpack_scales(self.d, n, k)[..., None]
+        m = unpack_scales(self.m, n, k)[..., None]
+        return torch.addcmul(m, codes.float(), d).view(n, k)
+
+    def float_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Weight rows `index` [T] as float32 [T, K]."""
+        return self.dequantized()[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.float(), self.dequantized(), self.bias)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"d={str(self.d.dtype).removeprefix('torch.')}, bias={self.bias is not None}")
+
+
+class PackedEmbedding(nn.Module):
+    """Embedding rows decoded on lookup from a packed matrix (a tied model's head, or its own)."""
+
+    def __init__(self, table: PackedLinear, out_dtype: torch.dtype = torch.float32, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.table = table
+        self.out_dtype, self.padding_idx = out_dtype, padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        t = self.table
+        k, blocks, block_bytes = t.in_features, t.in_features // BLOCK, 256 if t.bits == 4 else 512
+        tiles = flat // TILE
+        row = flat % TILE
+        codes = t.codes.view(-1, blocks, block_bytes)[tiles]                        # [R, B, bytes]
+        if t.bits == 4:
+            c = codes.view(-1, blocks, 4, TILE, 4)[torch.arange(len(flat)), :, :, row]   # [R, B, octet, col]
+            c = torch.stack([c & 15, c >> 4], dim=3).reshape(len(flat), k)
+        else:
+            c = codes.view(-1, blocks, 8, TILE, 4)[torch.arange(len(flat)), :, :, row].reshape(len(flat), k)
+        d = t.d.view(-1, blocks, TILE)[tiles, :, row].float()                       # [R, B]
+        m = t.m.view(-1, blocks, TILE)[tiles, :, row].float()
+        values = torch.addcmul(m[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
+        return values.view(*ids.shape, k).to(self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, packed {self.table.bits}-bit"
