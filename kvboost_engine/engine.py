@@ -111,7 +111,7 @@ class Engine:
         if config.kv_pool_bytes is not None:                # refuse before loading the weights
             check_fits_device(config.kv_pool_bytes, torch.device(config.kv_device) if config.kv_device else device)
         check_weights_format(weights, dtype, device)            # a bad value fails before any loading
-        source = resolve_model_dir(model)
+        source = resolve_model_dir(model, weights)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
             stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel, weights=weights)

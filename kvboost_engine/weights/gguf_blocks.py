@@ -9,6 +9,8 @@ tensor's dims as [columns, rows], the PyTorch shape here is [rows, columns]):
 
 - Q4_0: fp16 d, 16 bytes of nibbles (low nibbles are values 0-15, high 16-31); v = (q - 8) * d
 - Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; v = q * d + m
+- Q5_0 / Q5_1: as Q4_0 / Q4_1 with 4 bytes of fifth bits (bit i: value i's) before the nibbles;
+  v = (q - 16) * d / q * d + m (llama.cpp's fallback for K-quant files whose rows are not 256 wide)
 - Q8_0: fp16 d, 32 int8; v = q * d
 - Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins for 8 groups of 32, 128 bytes of nibbles;
   v = (d * sc) * q - (dmin * mn); Q5_K adds 32 bytes of fifth bits after the scales
@@ -30,7 +32,7 @@ from ..errors import InputError, UnsupportedModelError
 
 # types `blocks`/`dequantize` reproduce exactly; the rest are named in a refusal
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 EXACT_TYPES = FLOAT_TYPES + QUANT_TYPES
 QK = 32                 # values a block of the legacy types
 
@@ -78,7 +80,7 @@ def _blocks_view(tensor: GGUFTensor, block_bytes: int) -> torch.Tensor:
 
 def _legacy_blocks(tensor: GGUFTensor) -> QuantBlocks:
     kind = tensor.type_name
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
+    head = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8, "Q8_0": 2}[kind]
     block_bytes = head + (QK if kind == "Q8_0" else QK // 2)
     b = _blocks_view(tensor, block_bytes)                                   # [R, B, bytes]
     raw = b.numpy()
@@ -87,8 +89,12 @@ def _legacy_blocks(tensor: GGUFTensor) -> QuantBlocks:
         codes = b[..., head:].contiguous().view(torch.int8)                 # [R, B, 32]
     else:
         codes = _nibbles(b[..., head:])
-    mins = _fp16(raw, 2) if kind == "Q4_1" else None
-    return QuantBlocks(codes.reshape(tensor.shape), scales, mins, 8 if kind == "Q4_0" else 0, QK)
+    if kind in ("Q5_0", "Q5_1"):
+        qh = b[..., head - 4:head].contiguous().view(torch.int32)           # [R, B, 1] little-endian
+        codes = codes | (((qh >> torch.arange(QK, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
+    mins = _fp16(raw, 2) if kind in ("Q4_1", "Q5_1") else None
+    zero = {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
+    return QuantBlocks(codes.reshape(tensor.shape), scales, mins, zero, QK)
 
 
 def _q4k_scale_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +137,7 @@ def _q6k_blocks(tensor: GGUFTensor) -> QuantBlocks:
 
 def blocks(tensor: GGUFTensor) -> QuantBlocks:
     """The codes and float32 scales (and minimums) of a quantized tensor, exactly as stored."""
-    if tensor.type_name in ("Q4_0", "Q4_1", "Q8_0"):
+    if tensor.type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return _legacy_blocks(tensor)
     if tensor.type_name in ("Q4_K", "Q5_K"):
         return _q45k_blocks(tensor)
@@ -155,9 +161,9 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     rows = q.scales.shape[0]
     codes = q.codes.reshape(rows, -1, q.group)                              # [R, G, group]
     scales, mins = q.scales[..., None], None if q.mins is None else q.mins[..., None]
-    if kind == "Q4_0":
-        out = scales * (codes.to(torch.int8) - 8).float()
-    elif kind == "Q4_1":
+    if kind in ("Q4_0", "Q5_0"):
+        out = scales * (codes.to(torch.int8) - q.zero_code).float()
+    elif kind in ("Q4_1", "Q5_1"):
         out = scales * codes.float() + mins
     elif kind == "Q8_0":
         out = codes.float() * scales

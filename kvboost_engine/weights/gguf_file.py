@@ -84,6 +84,15 @@ class GGUFFile:
         except InputError as err:
             raise InputError(f"{self.path}: {err}") from None
         self.fields = header.fields
+        self._mapped = mapped
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the pages of a tensor read once (a repack): they leave this process's resident memory
+        (the file's copy stays in the page cache). Reading the tensor again reads the file again."""
+        start = tensor.raw.ctypes.data - np.frombuffer(self._mapped, np.uint8, 1).ctypes.data
+        page = mmap.PAGESIZE
+        first, end = start // page * page, -(-(start + tensor.nbytes) // page) * page
+        self._mapped.madvise(mmap.MADV_DONTNEED, first, min(end, len(self._mapped)) - first)
 
     def field(self, key: str, default=None):
         """A metadata value (int, float, str, a numpy array or list), or `default` when absent."""

@@ -97,11 +97,14 @@ class PackedLinear(nn.Module):
 class PackedEmbedding(nn.Module):
     """Embedding rows decoded on lookup from a packed matrix (a tied model's head, or its own)."""
 
-    def __init__(self, table: PackedLinear, out_dtype: torch.dtype = torch.float32, padding_idx: int | None = None):
+    def __init__(self, table: PackedLinear, out_dtype: torch.dtype = torch.float32, padding_idx: int | None = None,
+                 scale: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.table = table
         self.out_dtype, self.padding_idx = out_dtype, padding_idx
+        # Gemma's embedding multiplies its rows by sqrt(hidden) (a buffer of the module it replaces)
+        self.register_buffer("embed_scale", None if scale is None else scale.detach().clone(), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -118,7 +121,8 @@ class PackedEmbedding(nn.Module):
         d = t.d.view(-1, blocks, TILE)[tiles, :, row].float()                       # [R, B]
         m = t.m.view(-1, blocks, TILE)[tiles, :, row].float()
         values = torch.addcmul(m[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
-        return values.view(*ids.shape, k).to(self.out_dtype)
+        values = values.view(*ids.shape, k).to(self.out_dtype)
+        return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, packed {self.table.bits}-bit"

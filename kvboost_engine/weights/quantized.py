@@ -56,12 +56,17 @@ class WeightsInfo:
 
 def check_weights_format(weights, dtype: torch.dtype, device: torch.device) -> str | None:
     """The format to convert to (None: keep the weights as loaded); InputError for a bad value."""
+    if weights == "gguf":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise InputError(f"weights='gguf' (a GGUF's quantized tensors as stored) runs on CPU in float32 "
+                             f"activations; got {dtype} on {device.type}")
+        return None
     if weights is None or weights == "fp32":
         if weights == "fp32" and dtype != torch.float32:
             raise InputError(f"weights='fp32' keeps float32 weights but dtype is {dtype}; leave weights unset")
         return None
     if weights not in WEIGHT_FORMATS:
-        raise InputError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or None, got {weights!r}")
+        raise InputError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, 'gguf' or None, got {weights!r}")
     if device.type != "cpu":
         raise InputError(f"weights={weights!r} is a CPU format (its kernels run on CPU); on {device.type} use dtype=")
     if dtype not in (torch.float32, torch.bfloat16):

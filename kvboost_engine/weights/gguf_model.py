@@ -1,0 +1,196 @@
+"""A GGUF model loaded as stored: no float copy of the model, ever.
+
+First load (`packed_gguf_dir`): the file is checked (gguf_file.check_gguf: truncation, unknown or
+unsupported types and architectures refused before anything is allocated), then every matrix is
+repacked (gguf_repack.py) into the native kernel's layout and appended to a cache file one tensor
+at a time (pack_file.py), with the config and tokenizer transformers reads from the GGUF, under
+the kvboost cache dir. Later loads read no GGUF at all: `load_packed_model` builds the model's
+skeleton with its parameters on the meta device (accelerate.init_empty_weights), then puts in
+PackedLinear / PackedEmbedding modules whose tensors are views of the mapped cache file, and the
+norms (float32, small) likewise. Resident weight memory is the mapped file's pages.
+
+Conversions made on the way, each exact (row moves and one float32 subtraction): llama.cpp's
+interleaved q/k rows of llama-architecture files back to HF order; Gemma 3's norms stored as
+1 + w back to w.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import xxhash
+from torch import nn
+
+from ..errors import InputError
+from ..model.building import building_model
+from ..paths import build_lock, cache_home
+from .gguf_blocks import dequantize
+from .gguf_file import GGUFFile, check_gguf
+from .gguf_repack import repack, unpermute_rows
+from .pack_file import PackWriter, mapped_bytes, read_pack
+from .packed import PackedEmbedding, PackedLinear
+
+PACK_VERSION = "gguf-pack-1"
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
+EXACT_TOP = 8                   # head rows whose logits the native step recomputes in float (as weights="int4")
+DATA, INDEX, COMPLETE = "weights.bin", "weights.json", ".kvboost-complete"
+EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
+log = logging.getLogger(__name__)
+
+
+def is_packed_dir(path: Path) -> bool:
+    return (path / INDEX).is_file() and (path / COMPLETE).is_file()
+
+
+def packed_gguf_dir(gguf_path: Path) -> Path:
+    """The repacked cache dir of a .gguf (built once; keyed by path, size, mtime and the pack version)."""
+    summary = check_gguf(gguf_path)                             # refusals first, header only
+    if summary.architecture not in DIRECT_ARCHITECTURES:
+        raise InputError(f"GGUF architecture {summary.architecture!r} is not loaded as stored "
+                         f"(direct: {', '.join(DIRECT_ARCHITECTURES)})")
+    stat = gguf_path.stat()
+    ident = xxhash.xxh64_hexdigest(f"{PACK_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_home() / "packed" / f"{gguf_path.stem}-{ident}"
+    if not is_packed_dir(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with build_lock(target):
+            if not is_packed_dir(target):
+                _build(gguf_path, target)
+    return target
+
+
+def _skeleton(config) -> nn.Module:
+    """The model with every parameter on the meta device (buffers such as rotary tables are real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with building_model(), init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _gguf_names(model: nn.Module, arch: str, layers: int) -> dict[str, str]:
+    """HF module name -> GGUF tensor base name, for every module holding a parameter."""
+    import gguf
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    out = {}
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            found = names.get_name(name)
+            if found is None:
+                raise InputError(f"no GGUF tensor name for module {name} ({arch})")
+            out[name] = found
+    return out
+
+
+def _build(gguf_path: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    started = time.perf_counter()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    file = GGUFFile(gguf_path)
+    arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))
+    model = _skeleton(config)
+    staging = Path(tempfile.mkdtemp(prefix=".pack-", dir=target.parent))
+    try:
+        writer = PackWriter(staging / DATA, staging / INDEX)
+        try:
+            meta = _write_tensors(model, file, arch, layers, config, writer)
+            meta["gguf"], meta["repack_s"] = str(gguf_path), round(time.perf_counter() - started, 2)
+            writer.finish(meta)
+        finally:
+            writer.close()
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / COMPLETE).write_text(str(gguf_path))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("repacked %s into %s in %.1f s", gguf_path, target, time.perf_counter() - started)
+
+
+def _row_order(arch: str, hf_name: str, config, rows: int) -> torch.Tensor | None:
+    """llama.cpp interleaves a llama file's q/k rows per head (k: per kv head); HF's order back."""
+    if arch != "llama" or not hf_name.endswith(("q_proj", "k_proj")):
+        return None
+    heads = config.num_attention_heads if hf_name.endswith("q_proj") else config.num_key_value_heads
+    return unpermute_rows(rows, heads)
+
+
+def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, config, writer: PackWriter) -> dict:
+    """Repack every matrix, copy every norm and bias; returns the index's metadata."""
+    names = _gguf_names(model, arch, layers)
+    matrices, floats, worst = {}, [], {}
+    for hf_name, module in model.named_modules():
+        if hf_name not in names:
+            continue
+        base = names[hf_name]
+        for pname, param in module.named_parameters(recurse=False):
+            key = f"{base}.{pname}"
+            if key not in file.tensors:
+                if hf_name == HEAD and getattr(config, "tie_word_embeddings", False):
+                    continue                                    # tied: the head reads the embedding's table
+                raise InputError(f"{file.path} lacks tensor {key} (for {hf_name}.{pname})")
+            tensor = file.tensors[key]
+            if param.dim() == 2:
+                packed = repack(tensor, _row_order(arch, hf_name, config, tensor.shape[0]))
+                for part in ("codes", "d", "m"):
+                    writer.add(f"{hf_name}.{part}", getattr(packed, part))
+                matrices[hf_name] = {"bits": packed.bits, "rows": packed.rows, "cols": packed.cols,
+                                     "type": tensor.type_name, "max_error": packed.max_error}
+                if packed.max_error:
+                    worst[tensor.type_name] = max(worst.get(tensor.type_name, 0.0), packed.max_error)
+            else:
+                values = dequantize(tensor).float().reshape(param.shape)
+                if arch == "gemma3" and pname == "weight" and "norm" in base:
+                    values = values - 1                          # stored as 1 + w (transformers does the same)
+                writer.add(f"{hf_name}.{pname}", values)
+                floats.append(f"{hf_name}.{pname}")
+            file.release(tensor)
+    if worst:
+        log.warning("GGUF types without an exact kernel layout were re-quantized to 8 bits per 32 values; "
+                    "largest weight error per type: %s", {k: f"{v:.3g}" for k, v in worst.items()})
+    return {"matrices": matrices, "floats": floats, "requantized_error": worst,
+            "tied": HEAD not in matrices}
+
+
+def load_packed_model(target: Path, config) -> nn.Module:
+    """The model of a repacked dir (packed_gguf_dir): weights are views of its mapped file."""
+    tensors, meta = read_pack(target / DATA, target / INDEX)
+    model = _skeleton(config)
+    padding_idx = getattr(model.model.embed_tokens, "padding_idx", None)
+    for name, spec in meta["matrices"].items():
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        old = getattr(owner, child)
+        bias = tensors.get(f"{name}.bias")
+        linear = PackedLinear(tensors[f"{name}.codes"], tensors[f"{name}.d"], tensors[f"{name}.m"], spec["bits"],
+                              spec["rows"], spec["cols"], bias)
+        if name == EMBEDDING:
+            scale = getattr(old, "embed_scale", None)
+            model.model.embed_tokens = PackedEmbedding(linear, torch.float32, padding_idx, scale)
+        else:
+            setattr(owner, child, linear)
+    if meta["tied"]:
+        model.lm_head = model.model.embed_tokens.table
+    model.lm_head.exact_top = EXACT_TOP
+    for name in meta["floats"]:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        if f"{parent}" in meta["matrices"] and child == "bias":
+            continue                                            # a packed layer's bias is in the layer
+        setattr(owner, child, nn.Parameter(tensors[name], requires_grad=False))
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise InputError(f"{target}: no weights for {left[0]} ({len(left)} in all); delete the dir to repack")
+    model.kvboost_packed = {"dir": str(target), "mapped_bytes": mapped_bytes(tensors), "gguf": meta.get("gguf"),
+                            "requantized_error": meta.get("requantized_error", {})}
+    return model.eval()

@@ -1,0 +1,104 @@
+"""One GGUF matrix -> the native kernel's packed layout (weights/packed.py), exactly where the type allows.
+
+Exact (the packed weight decodes to the `gguf` package's dequantization bit for bit):
+- Q4_0, Q4_1 -> 4-bit codes, d and m in float16 (Q4_0: m = -8 d; Q4_1: the file's m)
+- Q5_0, Q5_1, Q8_0 -> 8-bit codes 0..31 / 0..255, d and m in float16 (m = -16 d, the file's m, -128 d)
+- Q4_K -> 4-bit codes, Q5_K -> 8-bit codes, with d * sub-block scale and -(dmin * sub-block min)
+  in float32 (an fp16 times a 6-bit integer is exact in float32, not in float16)
+Each product and sum is exact in float32 (codes of at most 8 bits times an 11-bit mantissa), so
+code * d + m rounds to the same float as the reference's expression. A float16 m that would not
+hold -8 d exactly (overflow) is kept in float32.
+
+Converted once, with the error stated (`Repacked.max_error`): Q6_K (scales per 16 values, the
+kernel has one per 32) and float matrices (F32/F16/BF16), re-quantized to 8 bits per 32 values
+(symmetric, round to nearest: at most 1/254 of the block's largest magnitude; about 1/8 of a Q6_K
+step).
+
+`row_order`: the file's rows in another order (llama.cpp stores llama's q/k rows interleaved per head;
+`unpermute_rows` gives HF's order), applied to codes and scales alike: a row move is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedModelError
+from .gguf_blocks import GGUFTensor, blocks, dequantize
+from .packed import BLOCK, TILE, pack_codes
+
+_HALF = {"Q4_0": (4, 8), "Q4_1": (4, None), "Q5_0": (8, 16), "Q5_1": (8, None), "Q8_0": (8, 128)}
+_K = {"Q4_K": 4, "Q5_K": 8}
+REQUANTIZED = ("Q6_K", "F32", "F16", "BF16")
+
+
+@dataclass(slots=True)
+class Repacked:
+    """A matrix in the packed layout: tensors for PackedLinear, and how far it is from the file."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
+    rows: int
+    cols: int
+    max_error: float            # largest |packed - file| over the matrix (0.0: exact)
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's q/k permutation for `heads` heads (HF's reverse_permute)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _half_exact(values: torch.Tensor) -> bool:
+    return torch.equal(values.half().float(), values)
+
+
+def _scale_dtypes(d: torch.Tensor, m: torch.Tensor, half: bool) -> tuple[torch.dtype, torch.dtype]:
+    if half and _half_exact(d):
+        return torch.float16, torch.float16 if _half_exact(m) else torch.float32
+    return torch.float32, torch.float32
+
+
+def _requantized(values: torch.Tensor) -> tuple:
+    """float [N, K] -> 8-bit codes, d, m per block of 32 (symmetric), and the largest error."""
+    n, k = values.shape
+    v = values.view(n, k // BLOCK, BLOCK)
+    d = (v.abs().amax(dim=-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = (torch.round(v / d[..., None]).clamp(-127, 127) + 128).to(torch.uint8)
+    m = -128 * d
+    error = (torch.addcmul(m[..., None], codes.float(), d[..., None]) - v).abs().max()
+    return codes.view(n, k), d, m, float(error)
+
+
+def repack(tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> Repacked:
+    """A GGUF matrix [N, K] (N a multiple of 16, K of 32) in the packed layout (module docstring)."""
+    if len(tensor.shape) != 2 or tensor.shape[0] % TILE or tensor.shape[1] % BLOCK:
+        raise UnsupportedModelError(f"tensor {tensor.name} of shape {list(tensor.shape)} does not fit the packed "
+                                    f"layout (a matrix with rows a multiple of {TILE}, columns of {BLOCK})")
+    n, k = tensor.shape
+    kind = tensor.type_name
+    error = 0.0
+    if kind in _HALF or kind in _K:
+        q = blocks(tensor)
+        codes, d = q.codes, q.scales
+        if kind in _HALF:
+            bits, zero = _HALF[kind]
+            if kind == "Q8_0":
+                codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+            m = q.mins if zero is None else -zero * d
+        else:
+            bits, m = _K[kind], -q.mins
+        d_dtype, m_dtype = _scale_dtypes(d, m, kind in _HALF)
+    elif kind in REQUANTIZED:
+        values = dequantize(tensor).float()
+        codes, d, m, error = _requantized(values)
+        bits, d_dtype, m_dtype = 8, torch.float32, torch.float32
+    else:
+        raise UnsupportedModelError(f"type {kind} of tensor {tensor.name} has no packed layout "
+                                    f"(supported: {', '.join([*_HALF, *_K, *REQUANTIZED])})")
+    if row_order is not None:
+        codes, d, m = codes[row_order], d[row_order], m[row_order]
+    packed = pack_codes(codes.reshape(n, k).to(torch.uint8), d, m, bits, d_dtype, m_dtype)
+    return Repacked(packed["codes"], packed["d"], packed["m"], bits, n, k, error)
