@@ -28,7 +28,7 @@ import xxhash
 from ..paths import build_lock, cache_home
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 2
+ABI_VERSION = 3
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512dq", "-mavx512vnni", "-mfma")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma")

@@ -32,12 +32,15 @@ namespace {
 constexpr int TILE = 16;     // output rows per tile
 constexpr int BLOCK = 32;    // input columns per block (one activation scale, one weight scale per row)
 
+enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2 };   // element type of a matrix's d and m
+
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
   const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
-  const uint16_t* d;         // bf16 [tiles][blocks][16]: code scale
-  const float* m;            // fp32 [tiles][blocks][16]: value of code 0
+  const void* d;             // d_type [tiles][blocks][16]: code scale
+  const void* m;             // m_type [tiles][blocks][16]: value of code 0
   const float* bias;         // [rows] or null
   int rows, cols, bits;
+  int d_type, m_type;        // ScaleType: d bf16 / fp16 / fp32, m fp16 / fp32
 };
 
 struct Layer {
@@ -60,6 +63,26 @@ inline float bf16_scalar(uint16_t v) {
   return out;
 }
 
+inline float f16_scalar(uint16_t v) { return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(v)))); }
+
+// 16 scales from p + i, of element type T, as floats
+template <int T>
+inline __m512 load_scales(const void* p, size_t i) {
+  if constexpr (T == S_BF16) {
+    return bf16_to_f32(static_cast<const uint16_t*>(p) + i);
+  } else if constexpr (T == S_F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+inline float scale_at(const void* p, int type, size_t i) {
+  if (type == S_BF16) return bf16_scalar(static_cast<const uint16_t*>(p)[i]);
+  if (type == S_F16) return f16_scalar(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
 // Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
 void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
   for (int b = 0; b < cols / BLOCK; ++b) {
@@ -75,16 +98,16 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
   }
 }
 
-// y[t*16 .. t1*16) of W x, x given quantized.
-void gemv(const QMat& w, const int8_t* xq, const float* dx, const float* sx, float* y, int t0, int t1) {
+// y[t*16 .. t1*16) of W x, x given quantized; DT, MT: the element types of d and m.
+template <int DT, int MT>
+void gemv_t(const QMat& w, const int8_t* xq, const float* dx, const float* sx, float* y, int t0, int t1) {
   const int blocks = w.cols / BLOCK;
   const size_t block_bytes = w.bits == 4 ? 256 : 512;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int32_t* xw = reinterpret_cast<const int32_t*>(xq);
   for (int t = t0; t < t1; ++t) {
     const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
-    const uint16_t* dp = w.d + static_cast<size_t>(t) * blocks * TILE;
-    const float* mp = w.m + static_cast<size_t>(t) * blocks * TILE;
+    const size_t sp = static_cast<size_t>(t) * blocks * TILE;
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < blocks; ++b, wp += block_bytes) {
       const int32_t* xb = xw + b * (BLOCK / 4);
@@ -99,11 +122,22 @@ void gemv(const QMat& w, const int8_t* xq, const float* dx, const float* sx, flo
         for (int j = 0; j < 8; ++j)             // 4 columns 4j..4j+3 per load
           s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512(wp + j * 64), _mm512_set1_epi32(xb[j]));
       }
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(bf16_to_f32(dp + b * TILE), _mm512_set1_ps(dx[b])), acc);
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * TILE), _mm512_set1_ps(sx[b]), acc);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(load_scales<DT>(w.d, sp + b * TILE), _mm512_set1_ps(dx[b])), acc);
+      acc = _mm512_fmadd_ps(load_scales<MT>(w.m, sp + b * TILE), _mm512_set1_ps(sx[b]), acc);
     }
     if (w.bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(w.bias + t * TILE));
     _mm512_storeu_ps(y + t * TILE, acc);
+  }
+}
+
+void gemv(const QMat& w, const int8_t* xq, const float* dx, const float* sx, float* y, int t0, int t1) {
+  switch (w.d_type * 3 + w.m_type) {
+    case S_BF16 * 3 + S_F32: return gemv_t<S_BF16, S_F32>(w, xq, dx, sx, y, t0, t1);
+    case S_BF16 * 3 + S_F16: return gemv_t<S_BF16, S_F16>(w, xq, dx, sx, y, t0, t1);
+    case S_F16 * 3 + S_F32: return gemv_t<S_F16, S_F32>(w, xq, dx, sx, y, t0, t1);
+    case S_F16 * 3 + S_F16: return gemv_t<S_F16, S_F16>(w, xq, dx, sx, y, t0, t1);
+    case S_F32 * 3 + S_F32: return gemv_t<S_F32, S_F32>(w, xq, dx, sx, y, t0, t1);
+    default: return gemv_t<S_F32, S_F16>(w, xq, dx, sx, y, t0, t1);
   }
 }
 
@@ -142,8 +176,8 @@ float exact_row(const QMat& w, int n, const float* x) {
   double total = 0.0;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
-    float d = bf16_scalar(w.d[(static_cast<size_t>(t) * blocks + b) * TILE + r]);
-    float m = w.m[(static_cast<size_t>(t) * blocks + b) * TILE + r];
+    float d = scale_at(w.d, w.d_type, (static_cast<size_t>(t) * blocks + b) * TILE + r);
+    float m = scale_at(w.m, w.m_type, (static_cast<size_t>(t) * blocks + b) * TILE + r);
     for (int c = 0; c < BLOCK; ++c) {
       int code;
       if (w.bits == 4) {
@@ -459,22 +493,25 @@ struct Decoder {
   }
 };
 
+constexpr int MAT_DIMS = 5;  // rows, cols, bits, d type, m type (ScaleType)
+
 QMat qmat(const void* const* p, const int* dims) {
-  return QMat{static_cast<const uint8_t*>(p[0]), static_cast<const uint16_t*>(p[1]), static_cast<const float*>(p[2]),
-              static_cast<const float*>(p[3]), dims[0], dims[1], dims[2]};
+  return QMat{static_cast<const uint8_t*>(p[0]), p[1], p[2], static_cast<const float*>(p[3]),
+              dims[0], dims[1], dims[2], dims[3], dims[4]};
 }
 
 }  // namespace
 
 extern "C" {
 
-int kvb_abi_version() { return 2; }
+int kvb_abi_version() { return 3; }
 
 // sizes: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, exact_top, threads
 // layer_ptrs: per layer 2 norms then 7 matrices (q, k, v, o, gate, up, down) x (codes, d, m, bias) = 30;
 // a matrix of 0 rows is absent (stacked into the one before it: q holds q, k, v; gate holds gate, up)
-// layer_dims: per layer 7 matrices x (rows, cols, bits) = 21; windows: per layer (0 = full)
-// head_ptrs: final norm, then head (codes, d, m, bias); head_dims: rows, cols, bits
+// layer_dims: per layer 7 matrices x (rows, cols, bits, d type, m type) = 35 (types: 0 bf16, 1 fp16, 2 fp32;
+// m is fp16 or fp32); windows: per layer (0 = full)
+// head_ptrs: final norm, then head (codes, d, m, bias); head_dims: rows, cols, bits, d type, m type
 void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* const* layer_ptrs,
                       const int* layer_dims, const int* windows, const void* const* head_ptrs, const int* head_dims) {
   auto* dec = new Decoder(sizes[8]);
@@ -483,12 +520,12 @@ void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* co
   dec->eps = eps; dec->scaling = scaling;
   for (int l = 0; l < dec->layers; ++l) {
     const void* const* p = layer_ptrs + l * 30;
-    const int* d = layer_dims + l * 21;
+    const int* d = layer_dims + l * 7 * MAT_DIMS;
     Layer L;
     L.in_norm = static_cast<const float*>(p[0]);
     L.post_norm = static_cast<const float*>(p[1]);
     for (int i = 0; i < 7; ++i) {
-      QMat m = qmat(p + 2 + 4 * i, d + 3 * i);
+      QMat m = qmat(p + 2 + 4 * i, d + MAT_DIMS * i);
       if (m.rows == 0) continue;
       if (m.bits != 32) dec->quantized = true;
       if (i < 3) L.qkv.push_back(m);

@@ -12,11 +12,13 @@ PyTorch path; a step whose KV is not addressable by slot (blocks spilled to disk
 A float32 model keeps its own weights: the step reads the model's float matrices in place (no
 copy) with float activations, the same arithmetic as the PyTorch step up to the order of additions
 (greedy replies are the same on the tests and benchmarks; exact reuse stays exact, since a request
-with and without cache decodes through the same step).
+with and without cache decodes through the same step). A model whose every decoder linear and
+head is a PackedLinear (weights/packed.py: a quantized file's codes, d in bf16 / fp16 / fp32, m in
+fp16 / fp32, already in the kernel's tiles) is read in place too: no copy, no repack.
 
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
 types), float32, and either every decoder linear layer in int4 with the head in int8
-(`weights="int4"`) or every one of them in float32.
+(`weights="int4"`), or every one of them in float32, or every one of them packed.
 """
 from __future__ import annotations
 
@@ -26,26 +28,12 @@ import torch
 
 from ..model.arch import ModelAdapter
 from ..weights.formats import INT4_GROUP, Int4Linear, Int8Linear, unpack_int4
+from ..weights.packed import PackedLinear, pack_codes
 from . import build
 
 TILE, BLOCK = 16, 32
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
-
-
-def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> dict:
-    """codes uint8 [N, K] (< 2**bits), scale [N, K/32] (bf16), offset [N, K/32] (fp32: what code 0
-    decodes to) -> the kernel's tiles: weight[n, k] = codes * scale + offset per block of 32."""
-    n, k = codes.shape
-    tiles, blocks = n // TILE, k // BLOCK
-    if bits == 4:
-        c = codes.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)    # [T, B, octet, half, row, col]
-        packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()
-    else:
-        packed = codes.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-    d = scale.to(torch.bfloat16).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
-    m = offset.float().view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
-    return {"codes": packed.view(-1), "d": d.view(torch.int16).view(-1), "m": m.view(-1)}
 
 
 def _int4_parts(module: Int4Linear) -> tuple:
@@ -75,8 +63,11 @@ def _joined(modules: list, bits: int) -> dict:
 
 
 def weights_kind(adapter: ModelAdapter) -> str | None:
-    """"int4" (decoder layers int4, head int8), "float" (all plain float32 linears), or None."""
+    """"int4" (decoder layers int4, head int8), "packed" (every decoder linear and the head a
+    PackedLinear: read in place), "float" (all plain float32 linears), or None."""
     linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
+    if all(type(m) is PackedLinear for m in [*linears, adapter.lm_head]):
+        return "packed"
     if all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears) \
             and type(adapter.lm_head) is Int8Linear:
         return "int4"
@@ -86,6 +77,19 @@ def weights_kind(adapter: ModelAdapter) -> str | None:
 
 
 ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
+SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
+
+
+def _packed(module: PackedLinear) -> dict:
+    """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy)."""
+    return {"codes": module.codes, "d": module.d, "m": module.m, "bias": module.bias,
+            "dims": (module.out_features, module.in_features, module.bits)}
+
+
+def _mat_dims(mat: dict) -> list[int]:
+    """rows, cols, bits, d type, m type (decode.cpp MAT_DIMS)."""
+    types = [SCALE_TYPES[mat[key].dtype] if mat.get(key) is not None else 2 for key in ("d", "m")]
+    return [*mat["dims"], *types]
 
 
 def _float(module: torch.nn.Linear) -> dict:
@@ -106,7 +110,7 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
     kind = weights_kind(adapter)
     if kind is None:
         return ('needs every decoder linear layer and the head in float32, or the layers in int4 and the '
-                'head in int8 (weights="int4")')
+                'head in int8 (weights="int4"), or all of them packed (PackedLinear)')
     for i in range(len(adapter.layers)):
         if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in adapter.layer_parts(i).linears):
             return "a layer's shape is not a multiple of 16 rows x 32 columns"
@@ -131,7 +135,7 @@ class NativeDecoder:
         # Several sequences decoding together: up to this many, one native step each beats one
         # batched PyTorch step over all (2 cores, 2026-12-01: int4 at 8 sequences 42 vs 53 ms;
         # float32 at 2 already 42 vs 38 ms, so float batches always take the batched step)
-        self.batch_limit = 8 if self.kind == "int4" else 1
+        self.batch_limit = 1 if self.kind == "float" else 8
         layer_ptrs, layer_dims = [], []
         parts = [adapter.layer_parts(i) for i in range(len(adapter.layers))]
         for layer in parts:
@@ -140,11 +144,13 @@ class NativeDecoder:
                 q, k, v, o, gate, up, down = layer.linears
                 mats = [_joined([q, k, v], 4), ABSENT, ABSENT, _joined([o], 4), _joined([gate, up], 4), ABSENT,
                         _joined([down], 4)]
+            elif self.kind == "packed":
+                mats = [_packed(m) for m in layer.linears]
             else:
                 mats = [_float(m) for m in layer.linears]
             layer_ptrs += norms + [p for mat in mats for p in self._mat_ptrs(mat)]
-            layer_dims += [v for mat in mats for v in mat["dims"]]
-        head = _joined([adapter.lm_head], 8) if self.kind == "int4" else _float(adapter.lm_head)
+            layer_dims += [v for mat in mats for v in _mat_dims(mat)]
+        head = {"int4": lambda h: _joined([h], 8), "packed": _packed, "float": _float}[self.kind](adapter.lm_head)
         head_ptrs = [self._hold(plain.final_norm.float())] + self._mat_ptrs(head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
@@ -154,7 +160,7 @@ class NativeDecoder:
         scaling = parts[0].scaling
         self._handle = lib.kvb_decoder_new(
             _ints(sizes), plain.rms_norm_eps, scaling, _ptrs(layer_ptrs), _ints(layer_dims), _ints(windows),
-            _ptrs(head_ptrs), _ints(list(head["dims"])))
+            _ptrs(head_ptrs), _ints(_mat_dims(head)))
         self.threads = threads
         rope = str(adapter.rope_settings().get("rope_type", "default"))
         self._static_rope = rope in STATIC_ROPE
