@@ -1,0 +1,157 @@
+"""The GGUF files the #28 benchmark (benchmarks/micro/gguf.py) runs, built once under
+$KVBOOST_HOME/bench-models (default ~/.cache/kvboost/bench-models) with llama.cpp's own tools
+(benchmarks/llama_tools.sh: llama-quantize, convert_hf_to_gguf.py and gguf-py from the
+llama-cpp-python 0.3.36 sdist).
+
+  default  SmolLM2-135M-Instruct: the Q4_1 GGUF it ships as (Q8_0 embedding), a Q4_0 requant
+           (llama-quantize --allow-requantize), and its HF directory for weights="int4"
+  gemma3   Gemma 3 270M: the Q4_K_M GGUF of the named model, and its HF directory
+  1.7b     random weights (seed 0) with SmolLM2-1.7B's config (speed and memory do not depend on
+           the values), saved as bf16 safetensors with the default model's tokenizer (same
+           vocabulary), converted to a BF16 GGUF, then quantized to Q4_0, Q4_1, Q4_K_M and Q8_0
+
+Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b]   (prints the files)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
+MODEL_FORMATS = {"default": ("q4_1", "q4_0", "hf-int4"), "gemma3": ("q4_k_m", "hf-int4"),
+                 "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4")}
+SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+                    intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
+                    rms_norm_eps=1e-5, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=2, hidden_act="silu", initializer_range=0.02)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def home() -> Path:
+    """The real kvboost home (benchmarks may point KVBOOST_HOME of their children elsewhere)."""
+    from kvboost_engine.paths import cache_home
+    return cache_home()
+
+
+def tools_dir(variant: str = "") -> Path:
+    """llama.cpp's tools, built by benchmarks/llama_tools.sh (run it when they are missing)."""
+    dest = home() / ("llama-tools" + (f"-{variant}" if variant else ""))
+    if not (dest / "bin" / "llama-quantize").is_file() or not (dest / "pydeps").is_dir():
+        script = Path(__file__).with_name("llama_tools.sh")
+        subprocess.run(["bash", str(script)] + (["--avx2"] if variant == "avx2" else []), check=True)
+    return dest
+
+
+def bench_dir(name: str) -> Path:
+    path = home() / "bench-models" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _run(cmd: list, **kw) -> None:
+    print("+", " ".join(map(str, cmd)), file=sys.stderr)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def quantize(source: Path, target: Path, kind: str, requantize: bool = False) -> Path:
+    """llama-quantize `source` into `target` (`kind`: Q4_0, Q4_1, Q4_K_M, Q8_0), once."""
+    if not target.is_file():
+        partial = target.with_name(target.name + ".partial")
+        extra = ["--allow-requantize"] if requantize else []
+        _run([tools_dir() / "bin" / "llama-quantize", *extra, source, partial, kind, "2"], stdout=subprocess.DEVNULL)
+        os.replace(partial, target)
+    return target
+
+
+def random_1p7b_hf() -> Path:
+    """The random-weight SmolLM2-1.7B-shaped HF directory (bf16 safetensors), made once."""
+    target = bench_dir("smollm2-1.7b-random") / "hf"
+    if (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvboost_engine.loading import default_model_dir
+    config = LlamaConfig(**SMOLLM2_1P7B)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)     # 3.4 GB, never fp32
+    staging = target.with_name("hf.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    del model
+    tokenizer_dir = default_model_dir()
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file() and name != "generation_config.json":
+            shutil.copyfile(tokenizer_dir / name, staging / name)
+    os.replace(staging, target)
+    return target
+
+
+def random_1p7b_gguf(fmt: str) -> Path:
+    """The 1.7B model's GGUF in `fmt` (a GGUF_FORMATS key), via a BF16 GGUF (kept)."""
+    folder = bench_dir("smollm2-1.7b-random")
+    bf16 = folder / "smollm2-1.7b-random.BF16.gguf"
+    if not bf16.is_file():
+        tools = tools_dir()
+        partial = bf16.with_name(bf16.name + ".partial")
+        env = dict(os.environ, PYTHONPATH=f"{tools / 'gguf-py'}{os.pathsep}{tools / 'pydeps'}")
+        _run([sys.executable, tools / "convert_hf_to_gguf.py", random_1p7b_hf(), "--outtype", "bf16",
+              "--outfile", partial, "--model-name", "smollm2-1.7b-random"], env=env)
+        os.replace(partial, bf16)
+    return quantize(bf16, folder / f"smollm2-1.7b-random.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt])
+
+
+def default_gguf(fmt: str) -> Path:
+    from kvboost_engine.loading import default_gguf_file
+    shipped = default_gguf_file()
+    if fmt == "q4_1":
+        return shipped
+    return quantize(shipped, bench_dir("smollm2-135m") / f"SmolLM2-135M-Instruct.{GGUF_FORMATS[fmt]}.gguf",
+                    GGUF_FORMATS[fmt], requantize=True)
+
+
+def gemma3_gguf(fmt: str) -> Path:
+    from kvboost_engine.named_models import fetch_gguf, named_model
+    model = named_model("gemma3-270m")
+    shipped = bench_dir("gemma3-270m") / model.gguf_name
+    if not shipped.is_file():
+        fetch_gguf(model, shipped.parent)
+    if fmt == "q4_k_m":
+        return shipped
+    return quantize(shipped, shipped.parent / f"gemma-3-270m.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt],
+                    requantize=True)
+
+
+def hf_dir(model: str) -> Path:
+    from kvboost_engine.loading import default_model_dir, resolve_model_dir
+    if model == "default":
+        return default_model_dir()
+    if model == "gemma3":
+        return Path(resolve_model_dir("gemma3-270m"))
+    return random_1p7b_hf()
+
+
+def model_file(model: str, fmt: str) -> Path:
+    """The file (GGUF) or directory (hf-int4) of `model` in `fmt`, built once."""
+    if fmt == "hf-int4":
+        return hf_dir(model)
+    return {"default": default_gguf, "gemma3": gemma3_gguf, "1.7b": random_1p7b_gguf}[model](fmt)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=",".join(MODEL_FORMATS))
+    args = parser.parse_args(argv)
+    for model in args.model.split(","):
+        for fmt in MODEL_FORMATS[model]:
+            print(f"{model:8} {fmt:8} {model_file(model, fmt)}")
+
+
+if __name__ == "__main__":
+    main()

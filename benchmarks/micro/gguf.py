@@ -1,0 +1,268 @@
+"""Bring your GGUF (#28): our engine against llama.cpp's llama-bench on the same file, per model and format.
+
+Models and formats (files built once by benchmarks/gguf_models.py with llama.cpp's own tools):
+  default  SmolLM2-135M-Instruct: q4_1 (as shipped, Q8_0 embedding), q4_0 (llama-quantize requant), hf-int4
+  gemma3   Gemma 3 270M base: q4_k_m (as shipped), hf-int4
+  1.7b     random weights, SmolLM2-1.7B's config: q4_0, q4_1, q4_k_m, q8_0 (from a BF16 GGUF), hf-int4
+hf-int4 is the model's HF directory loaded with weights="int4"; the other formats give the .gguf path
+to Engine.from_pretrained as it is.
+
+Ours, each in a fresh process with KVBOOST_HOME pointing at an empty temporary home (the compiled
+native kernels linked in from the real one, so no compile is timed; the model file's pages dropped
+from the page cache with posix_fadvise before the first process):
+  first   load_s and peak RSS (VmHWM) of load + `--decode-tokens` new tokens, cache cold
+  cached  a second process on the same home: load_s (what the first wrote is reused), then
+          decode_tok_s  greedy, `--decode-tokens` new tokens after a short prompt (EOS cannot stop
+                        it): (tokens - 1) / (time after the first token), median of `--repeats`
+          peak_rss      VmHWM after load + the first decode (the acceptance figure), and after all runs
+          prefill_tok_s a `--prefill-tokens` prompt (evaluation text), cache off, / its TTFT, median
+llama.cpp (benchmarks/llama_tools.sh; same file, same threads):
+          llama-bench -t T -p P -n N -m FILE -o json: pp and tg tok/s (avg of its 5 repetitions),
+          peak RSS (ru_maxrss of the process, mmap'd pages it touched included);
+          load_s: llama-batched-bench's "load time" (llama_perf_context_print), page cache
+          dropped for the file first (load_first_s) and again right after (load_cached_s)
+
+Run:   OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.gguf --all [--side both|ours|llama]
+       python -m benchmarks.micro.gguf --model 1.7b --format q4_0,hf-int4 --side ours
+Smoke: python -m benchmarks.micro.gguf --model default --format q4_1 --decode-tokens 4 --prefill-tokens 32 --repeats 1
+Results: benchmarks/results/gguf.json (rows merged by model, format and side); a table is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..gguf_models import MODEL_FORMATS, home, model_file, tools_dir
+
+PROMPT = "The lighthouse keeper looked out at the storm and"
+
+
+def _vm_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict the clean cached pages of `path` (a file, or every file under a directory)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# ---- our engine, in a child process --------------------------------------------------------
+def measure_ours(args) -> dict:
+    import torch
+
+    from kvboost_engine import Engine
+    from kvboost_tools.awq.texts import evaluation_text
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    engine = Engine.from_pretrained(args.path, weights="int4" if args.fmt == "hf-int4" else None, cache_bytes=0)
+    out = {"load_s": time.perf_counter() - started, "rss_after_load_bytes": _vm_kib("VmRSS") * 1024}
+    n = args.decode_tokens
+
+    def decode():
+        g = engine.generate(PROMPT, max_new_tokens=n, min_new_tokens=n)
+        return (len(g.token_ids) - 1) / max(g.total_s - g.ttft_s, 1e-9)
+    speeds = [decode()]
+    out["peak_rss_bytes"] = _vm_kib("VmHWM") * 1024             # load + the first `n` new tokens
+    if args.child == "first":
+        out["decode_tok_s"] = speeds[0]
+    else:
+        speeds += [decode() for _ in range(args.repeats)]
+        out["decode_tok_s"] = statistics.median(speeds[1:])     # the first one is a warm-up
+        ids = engine.tokenizer(evaluation_text())["input_ids"][:args.prefill_tokens]
+        text = engine.tokenizer.decode(ids)
+
+        def prefill():
+            g = engine.generate(text, max_new_tokens=1)
+            return g.prompt_tokens, g.ttft_s
+        runs = [prefill() for _ in range(args.repeats + 1)][1:]
+        out["prefill_tokens"] = runs[0][0]
+        out["prefill_tok_s"] = runs[0][0] / statistics.median(t for _, t in runs)
+        out["peak_rss_all_bytes"] = _vm_kib("VmHWM") * 1024
+    stats = engine.stats()
+    out["native_decode"] = stats.get("native_decode")
+    out["engine_stats"] = {k: v for k, v in stats.items() if "weight" in k or "mapped" in k or "resident" in k}
+    engine.close()
+    return out
+
+
+def _child(kind: str, path: Path, fmt: str, args, env: dict) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.micro.gguf", "--child", kind, "--path", str(path), "--format", fmt,
+           "--threads", str(args.threads), "--repeats", str(args.repeats),
+           "--decode-tokens", str(args.decode_tokens), "--prefill-tokens", str(args.prefill_tokens)]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"status": f"failed ({done.returncode}): " + " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]}
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["process_s"] = time.perf_counter() - started
+    return out
+
+
+def run_ours(model: str, fmt: str, path: Path, args) -> dict:
+    real = home()
+    temp = Path(tempfile.mkdtemp(prefix="gguf-bench-home-", dir=args.temp_dir or real))
+    try:
+        if (real / "native").is_dir():
+            (temp / "native").symlink_to(real / "native")       # compiled kernels: not a model cache
+        env = dict(os.environ, KVBOOST_HOME=str(temp), OMP_NUM_THREADS=str(args.threads))
+        drop_page_cache(path)
+        row = {"model": model, "format": fmt, "side": "ours", "file": str(path)}
+        first = {} if args.no_first else _child("first", path, fmt, args, env)
+        if "status" in first:
+            return {**row, "status": "first: " + first["status"]}
+        cached = _child("cached", path, fmt, args, env)
+        if "status" in cached:
+            return {**row, "status": "cached: " + cached["status"]}
+        written = sum(p.stat().st_size for p in temp.rglob("*") if p.is_file() and not p.is_symlink())
+        row.update({f"first_{k}": v for k, v in first.items() if k in ("load_s", "peak_rss_bytes", "process_s")})
+        row.update(cached)
+        row["cache_written_bytes"] = written
+        return row
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+def _timed(cmd: list[str]) -> tuple[str, str, float, int]:
+    """(stdout, stderr, seconds, peak RSS bytes) of a command (ru_maxrss of that process)."""
+    started = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])}... exited {proc.returncode}: {stderr.strip()[-400:]}")
+    return stdout, stderr, time.perf_counter() - started, usage.ru_maxrss * 1024
+
+
+def llama_load_s(path: Path, args, tools: Path) -> float:
+    """llama-batched-bench's own "load time" for a 1-token prompt and 1 new token."""
+    _, err, _, _ = _timed([str(tools / "bin" / "llama-batched-bench"), "-m", str(path), "-t", str(args.threads),
+                           "-c", "256", "-b", "64", "-ub", "64", "-npp", "1", "-ntg", "1", "-npl", "1"])
+    found = re.search(r"load time\s*=\s*([\d.]+) ms", err)
+    return float(found.group(1)) / 1e3 if found else float("nan")
+
+
+def run_llama(model: str, fmt: str, path: Path, args) -> dict:
+    row = {"model": model, "format": fmt, "side": "llama.cpp", "file": str(path)}
+    if fmt == "hf-int4":
+        return {**row, "status": "n/a (no GGUF)"}
+    tools = tools_dir(args.llama_variant)
+    row["tools"] = str(tools)
+    try:
+        drop_page_cache(path)
+        row["first_load_s"] = llama_load_s(path, args, tools)
+        row["load_s"] = llama_load_s(path, args, tools)
+        out, _, seconds, peak = _timed([str(tools / "bin" / "llama-bench"), "-t", str(args.threads),
+                                        "-p", str(args.prefill_tokens), "-n", str(args.decode_tokens),
+                                        "-m", str(path), "-o", "json"])
+    except RuntimeError as error:
+        return {**row, "status": str(error)}
+    tests = json.loads(out)
+    for test in tests:
+        key = "prefill_tok_s" if test["n_prompt"] else "decode_tok_s"
+        row[key], row[key.replace("tok_s", "stddev")] = test["avg_ts"], test["stddev_ts"]
+    row.update({"peak_rss_bytes": peak, "bench_s": seconds, "model_type": tests[0].get("model_type"),
+                "model_size": tests[0].get("model_size"), "build_commit": tests[0].get("build_commit"),
+                "cpu_info": tests[0].get("cpu_info")})
+    return row
+
+
+# ---- report ----------------------------------------------------------------------------------
+def table(rows: list[dict]) -> str:
+    lines = ["| model | format | side | peak RSS MB (load+decode) | load s first / cached | decode tok/s | "
+             "prefill tok/s | RSS / llama.cpp | decode / llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
+    llama = {(r["model"], r["format"]): r for r in rows if r["side"] == "llama.cpp" and "status" not in r}
+
+    def f(r, key, scale=1.0, spec=".1f"):
+        return f"{r[key] * scale:{spec}}" if isinstance(r.get(key), (int, float)) else "-"
+    for r in rows:
+        if "status" in r:
+            lines.append(f"| {r['model']} | {r['format']} | {r['side']} | {r['status'][:120]} ||||||")
+            continue
+        ref = llama.get((r["model"], r["format"]))
+        ratio_rss = ratio_dec = "-"
+        if ref and r["side"] == "ours":
+            ratio_rss = f"{r['peak_rss_bytes'] / ref['peak_rss_bytes']:.2f}x"
+            ratio_dec = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x"
+        lines.append(f"| {r['model']} | {r['format']} | {r['side']} | {f(r, 'peak_rss_bytes', 1e-6, '.0f')} | "
+                     f"{f(r, 'first_load_s', 1, '.2f')} / {f(r, 'load_s', 1, '.2f')} | {f(r, 'decode_tok_s')} | "
+                     f"{f(r, 'prefill_tok_s')} | {ratio_rss} | {ratio_dec} |")
+    return "\n".join(lines)
+
+
+def merge(out: Path, rows: list[dict], settings: dict) -> dict:
+    """Rows replace earlier rows of the same (model, format, side) in `out`."""
+    result = json.loads(out.read_text()) if out.is_file() else {"benchmark": "gguf", "rows": []}
+    keys = {(r["model"], r["format"], r["side"]) for r in rows}
+    kept = [r for r in result["rows"] if (r["model"], r["format"], r["side"]) not in keys]
+    order = {m: i for i, m in enumerate(MODEL_FORMATS)}
+    result["rows"] = sorted(kept + rows, key=lambda r: (order.get(r["model"], 9), r["format"], r["side"]))
+    result.setdefault("runs", []).append(settings)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help=f"comma list of {', '.join(MODEL_FORMATS)}")
+    parser.add_argument("--format", default="", help="comma list (default: every format of each model)")
+    parser.add_argument("--all", action="store_true", help="every model and format")
+    parser.add_argument("--side", choices=("both", "ours", "llama"), default="both")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--no-first", action="store_true", help="skip our first-load process")
+    parser.add_argument("--llama-variant", default="", help='"" (this CPU\'s ISAs) or "avx2"')
+    parser.add_argument("--temp-dir", help="where the temporary kvboost homes go (default: the real home)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf.json"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.fmt = args.format
+        print(json.dumps(measure_ours(args)))
+        return
+    models = list(MODEL_FORMATS) if args.all else args.model.split(",")
+    rows = []
+    for model in models:
+        formats = [f for f in args.format.split(",") if f] if args.format and not args.all else MODEL_FORMATS[model]
+        for fmt in formats:
+            path = model_file(model, fmt)
+            for side, run in (("ours", run_ours), ("llama", run_llama)):
+                if args.side in ("both", side):
+                    rows.append(run(model, fmt, path, args))
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "child", "path")}
+    settings.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(),
+                    cpu_count=os.cpu_count())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = merge(args.out, rows, settings)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
