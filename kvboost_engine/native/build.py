@@ -28,7 +28,7 @@ import xxhash
 from ..paths import build_lock, cache_home
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 3
+ABI_VERSION = 4
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512dq", "-mavx512vnni", "-mfma")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma")
@@ -110,10 +110,10 @@ def _compile(cxx: str, path: Path) -> None:
 
 
 def _declare(lib) -> None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p = ctypes.c_void_p
     lib.kvb_decoder_new.restype = p
     lib.kvb_decoder_new.argtypes = [p, ctypes.c_float, ctypes.c_float, p, p, p, p, p]
-    lib.kvb_decoder_step.restype = None
-    lib.kvb_decoder_step.argtypes = [p, p, p, p, p, i64, p, p, p]
+    lib.kvb_decoder_rows.restype = None
+    lib.kvb_decoder_rows.argtypes = [p, ctypes.c_int, p, p, p]
     lib.kvb_decoder_free.restype = None
     lib.kvb_decoder_free.argtypes = [p]

@@ -1,10 +1,12 @@
-// One decode step of a Llama-family model (RMSNorm, rotary, grouped-query attention, SiLU MLP)
-// for one sequence, on CPU with AVX512-VNNI: every matrix-vector product reads 4-bit (layers) or
-// 8-bit (head) weight codes and multiplies them with the activation quantized to int8 per block of
-// 32 (vpdpbusd), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
-// where a weight decodes to code * d + m. Float32 weights (bits = 32, the model's own row-major
-// matrices) are read as they are, with the float activations. The rest of the layer (norms, rotary, attention over the
-// sequence's KV slots, residuals, SiLU) runs here too, so a step is one call from Python.
+// One step of a Llama-family model (RMSNorm, rotary, grouped-query attention, SiLU MLP) over M
+// rows on CPU with AVX512-VNNI: a row is one token of a sequence over that sequence's KV, so a step
+// is one decode token of M sequences or a prompt chunk of one (all rows' K and V are written before
+// any row attends, each up to its own position). Every matrix product reads 4- or 8-bit weight
+// codes once for all rows and multiplies them with each row's activation quantized to int8 per
+// block of 32 (vpdpbusd), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
+// where a weight decodes to code * d + m (d bf16 / fp16 / fp32, m fp16 / fp32). Float32 weights
+// (bits = 32, the model's own row-major matrices) are read as they are, with the float activations.
+// Each row's arithmetic is the same whatever M and whatever rows share the step (batch-invariant).
 //
 // Plain C ABI (loaded with ctypes; no PyTorch headers): the caller keeps every tensor alive and
 // passes raw pointers. Written for kvboost (kvboost_engine/native/decoder.py gives the layouts).
@@ -98,75 +100,149 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
   }
 }
 
-// y[t*16 .. t1*16) of W x, x given quantized; DT, MT: the element types of d and m.
-template <int DT, int MT>
-void gemv_t(const QMat& w, const int8_t* xq, const float* dx, const float* sx, float* y, int t0, int t1) {
+// Activations of M rows, quantized per row (quantize): row r's codes at xq + r * xq_stride, its
+// block scales and sums at dx / sx + r * s_stride; the float rows (for float weights) at x + r * x_stride.
+struct Acts {
+  const float* x;
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  int x_stride, xq_stride, s_stride;
+};
+
+// Tile t of W times R rows of activations (rows r0 .. r0 + R): each block of the tile's weights is
+// loaded (and its nibbles split) once for the R rows, while every row's arithmetic is exactly that of
+// R = 1 (the same integer sums, the same order of float additions), so a row's numbers do not
+// depend on the rows beside it. DT, MT: the element types of d and m; BITS: 4 or 8.
+template <int DT, int MT, int BITS, int R>
+void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int t) {
   const int blocks = w.cols / BLOCK;
-  const size_t block_bytes = w.bits == 4 ? 256 : 512;
+  constexpr size_t block_bytes = BITS == 4 ? 256 : 512;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const int32_t* xw = reinterpret_cast<const int32_t*>(xq);
-  for (int t = t0; t < t1; ++t) {
-    const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
-    const size_t sp = static_cast<size_t>(t) * blocks * TILE;
-    __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; ++b, wp += block_bytes) {
-      const int32_t* xb = xw + b * (BLOCK / 4);
-      __m512i s = _mm512_setzero_si512();
-      if (w.bits == 4) {
-        for (int j = 0; j < 4; ++j) {           // 8 columns: low nibbles 8j..8j+3, high 8j+4..8j+7
-          __m512i v = _mm512_loadu_si512(wp + j * 64);
-          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(v, nibble), _mm512_set1_epi32(xb[2 * j]));
-          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), _mm512_set1_epi32(xb[2 * j + 1]));
-        }
-      } else {
-        for (int j = 0; j < 8; ++j)             // 4 columns 4j..4j+3 per load
-          s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512(wp + j * 64), _mm512_set1_epi32(xb[j]));
+  const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
+  const size_t sp = static_cast<size_t>(t) * blocks * TILE;
+  const int32_t* xw[R];
+  const float *dx[R], *sx[R];
+  for (int r = 0; r < R; ++r) {
+    xw[r] = reinterpret_cast<const int32_t*>(a.xq + static_cast<size_t>(r0 + r) * a.xq_stride);
+    dx[r] = a.dx + static_cast<size_t>(r0 + r) * a.s_stride;
+    sx[r] = a.sx + static_cast<size_t>(r0 + r) * a.s_stride;
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b, wp += block_bytes) {
+    __m512i v[8];
+    if constexpr (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {             // 8 columns: low nibbles 8j..8j+3, high 8j+4..8j+7
+        __m512i raw = _mm512_loadu_si512(wp + j * 64);
+        v[2 * j] = _mm512_and_si512(raw, nibble);
+        v[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
       }
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(load_scales<DT>(w.d, sp + b * TILE), _mm512_set1_ps(dx[b])), acc);
-      acc = _mm512_fmadd_ps(load_scales<MT>(w.m, sp + b * TILE), _mm512_set1_ps(sx[b]), acc);
+    } else {
+      for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(wp + j * 64);   // 4 columns 4j..4j+3 each
     }
-    if (w.bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(w.bias + t * TILE));
-    _mm512_storeu_ps(y + t * TILE, acc);
+    const __m512 dv = load_scales<DT>(w.d, sp + b * TILE);
+    const __m512 mv = load_scales<MT>(w.m, sp + b * TILE);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xb = xw[r] + b * (BLOCK / 4);
+      __m512i s = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(xb[j]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r][b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (w.bias) acc[r] = _mm512_add_ps(acc[r], _mm512_loadu_ps(w.bias + t * TILE));
+    _mm512_storeu_ps(y + static_cast<size_t>(r0 + r) * y_stride + t * TILE, acc[r]);
   }
 }
 
-void gemv(const QMat& w, const int8_t* xq, const float* dx, const float* sx, float* y, int t0, int t1) {
+constexpr int ROW_BLOCK = 4;     // activation rows per pass over a weight tile (registers)
+
+// Tiles t0 .. t1 of W times the M rows of `a` (quantized): y[r * y_stride + n].
+template <int DT, int MT, int BITS>
+void gemm_t(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, int t1) {
+  for (int t = t0; t < t1; ++t) {
+    int r = 0;
+    for (; r + ROW_BLOCK <= M; r += ROW_BLOCK) tile_rows<DT, MT, BITS, ROW_BLOCK>(w, a, r, y, y_stride, t);
+    switch (M - r) {
+      case 3: tile_rows<DT, MT, BITS, 3>(w, a, r, y, y_stride, t); break;
+      case 2: tile_rows<DT, MT, BITS, 2>(w, a, r, y, y_stride, t); break;
+      case 1: tile_rows<DT, MT, BITS, 1>(w, a, r, y, y_stride, t); break;
+      default: break;
+    }
+  }
+}
+
+template <int DT, int MT>
+void gemm_bits(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, int t1) {
+  if (w.bits == 4) gemm_t<DT, MT, 4>(w, a, M, y, y_stride, t0, t1);
+  else gemm_t<DT, MT, 8>(w, a, M, y, y_stride, t0, t1);
+}
+
+void gemm(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, int t1) {
   switch (w.d_type * 3 + w.m_type) {
-    case S_BF16 * 3 + S_F32: return gemv_t<S_BF16, S_F32>(w, xq, dx, sx, y, t0, t1);
-    case S_BF16 * 3 + S_F16: return gemv_t<S_BF16, S_F16>(w, xq, dx, sx, y, t0, t1);
-    case S_F16 * 3 + S_F32: return gemv_t<S_F16, S_F32>(w, xq, dx, sx, y, t0, t1);
-    case S_F16 * 3 + S_F16: return gemv_t<S_F16, S_F16>(w, xq, dx, sx, y, t0, t1);
-    case S_F32 * 3 + S_F32: return gemv_t<S_F32, S_F32>(w, xq, dx, sx, y, t0, t1);
-    default: return gemv_t<S_F32, S_F16>(w, xq, dx, sx, y, t0, t1);
+    case S_BF16 * 3 + S_F32: return gemm_bits<S_BF16, S_F32>(w, a, M, y, y_stride, t0, t1);
+    case S_BF16 * 3 + S_F16: return gemm_bits<S_BF16, S_F16>(w, a, M, y, y_stride, t0, t1);
+    case S_F16 * 3 + S_F32: return gemm_bits<S_F16, S_F32>(w, a, M, y, y_stride, t0, t1);
+    case S_F16 * 3 + S_F16: return gemm_bits<S_F16, S_F16>(w, a, M, y, y_stride, t0, t1);
+    case S_F32 * 3 + S_F32: return gemm_bits<S_F32, S_F32>(w, a, M, y, y_stride, t0, t1);
+    default: return gemm_bits<S_F32, S_F16>(w, a, M, y, y_stride, t0, t1);
   }
 }
 
-// y[r0 .. r1) of W x for float32 W [rows, cols] (row-major), eight rows at a time.
-void gemv_f32(const QMat& w, const float* x, float* y, int r0, int r1) {
-  const float* base = reinterpret_cast<const float*>(w.codes);
+// Weight rows n0 .. n0 + WR of a float32 W [rows, cols] (row-major) times activation rows
+// r0 .. r0 + R: every (weight row, activation row) pair is one chain of FMAs over 16-column
+// steps, reduced, then the remaining columns and the bias added, whatever WR and R.
+template <int WR, int R>
+void f32_block(const QMat& w, const Acts& a, int r0, int n0, float* y, int y_stride) {
+  const float* base = reinterpret_cast<const float*>(w.codes) + static_cast<size_t>(n0) * w.cols;
   const int k = w.cols;
-  int r = r0;
-  for (; r + 8 <= r1; r += 8) {
-    const float* a = base + static_cast<size_t>(r) * k;
-    __m512 s[8];
-    for (int i = 0; i < 8; ++i) s[i] = _mm512_setzero_ps();
-    int c = 0;
-    for (; c + 16 <= k; c += 16) {
-      __m512 xv = _mm512_loadu_ps(x + c);
-      for (int i = 0; i < 8; ++i) s[i] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i * k + c), xv, s[i]);
-    }
-    for (int i = 0; i < 8; ++i) {
-      float t = _mm512_reduce_add_ps(s[i]);
-      for (int cc = c; cc < k; ++cc) t += a[i * k + cc] * x[cc];
-      y[r + i] = t + (w.bias ? w.bias[r + i] : 0.f);
+  const float* x[R];
+  for (int r = 0; r < R; ++r) x[r] = a.x + static_cast<size_t>(r0 + r) * a.x_stride;
+  __m512 s[WR][R];
+  for (int i = 0; i < WR; ++i)
+    for (int r = 0; r < R; ++r) s[i][r] = _mm512_setzero_ps();
+  int c = 0;
+  for (; c + 16 <= k; c += 16) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + c);
+    for (int i = 0; i < WR; ++i) {
+      __m512 wv = _mm512_loadu_ps(base + i * k + c);
+      for (int r = 0; r < R; ++r) s[i][r] = _mm512_fmadd_ps(wv, xv[r], s[i][r]);
     }
   }
-  for (; r < r1; ++r) {
-    const float* a = base + static_cast<size_t>(r) * k;
-    float t = 0.f;
-    for (int c = 0; c < k; ++c) t += a[c] * x[c];
-    y[r] = t + (w.bias ? w.bias[r] : 0.f);
+  for (int i = 0; i < WR; ++i)
+    for (int r = 0; r < R; ++r) {
+      float t = _mm512_reduce_add_ps(s[i][r]);
+      for (int cc = c; cc < k; ++cc) t += base[i * k + cc] * x[r][cc];
+      y[static_cast<size_t>(r0 + r) * y_stride + n0 + i] = t + (w.bias ? w.bias[n0 + i] : 0.f);
+    }
+}
+
+// Weight rows n .. n + WR against every activation row, ROW_BLOCK rows at a time (the weight rows
+// stay in cache while the activation rows pass).
+template <int WR>
+void f32_weight_block(const QMat& w, const Acts& a, int M, float* y, int y_stride, int n) {
+  int r = 0;
+  for (; r + ROW_BLOCK <= M; r += ROW_BLOCK) f32_block<WR, ROW_BLOCK>(w, a, r, n, y, y_stride);
+  switch (M - r) {
+    case 3: f32_block<WR, 3>(w, a, r, n, y, y_stride); break;
+    case 2: f32_block<WR, 2>(w, a, r, n, y, y_stride); break;
+    case 1: f32_block<WR, 1>(w, a, r, n, y, y_stride); break;
+    default: break;
   }
+}
+
+// Weight rows n0 .. n1 of a float32 W times the M float rows of `a`.
+void gemm_f32(const QMat& w, const Acts& a, int M, float* y, int y_stride, int n0, int n1) {
+  int n = n0;
+  if (M == 1) {
+    for (; n + 8 <= n1; n += 8) f32_weight_block<8>(w, a, M, y, y_stride, n);
+  } else {
+    for (; n + 4 <= n1; n += 4) f32_weight_block<4>(w, a, M, y, y_stride, n);
+  }
+  for (; n < n1; ++n) f32_weight_block<1>(w, a, M, y, y_stride, n);
 }
 
 // Row n of W decoded to floats, dotted with float x (the exact recomputation of the best logits).
@@ -308,6 +384,17 @@ class Team {
   Barrier barrier_;
 };
 
+// One row of a step: the token at `pos` of a sequence, over that sequence's KV.
+struct Row {
+  float* kv;                 // [2, layers, kv_heads, slots, head_dim]-shaped with element strides st (4)
+  const int64_t* st;
+  const int64_t* slots;      // slots[p]: the slot of position p
+  int64_t pos;
+  const float* cos;          // rotary at pos [head_dim]
+  const float* sin;
+  int64_t want;              // 1: this row's logits are wanted (in order, in the step's logits [wanted][vocab])
+};
+
 struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
   bool quantized = false;    // some matrix reads int8 activations
@@ -317,179 +404,195 @@ struct Decoder {
   QMat head;
   Team team;
   std::mutex busy;
-  // scratch
+  // scratch, per row: x [hidden], h [hw], qkv [qkv_w], attn [q_rows], mlp [2 inter], act [inter],
+  // xq [xq_w], dx / sx [s_w]
+  int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
-  std::vector<std::vector<float>> scores;
-  std::vector<std::vector<std::pair<float, int>>> best;
+  std::vector<std::vector<float>> scores;      // per thread
+  std::vector<int> wanted;                     // rows whose logits are wanted
 
   Decoder(int threads) : team(threads) {}
+
+  void reserve(int M) {
+    if (M <= capacity) return;
+    capacity = M;
+    x.resize(static_cast<size_t>(M) * hidden); h.resize(static_cast<size_t>(M) * hw);
+    qkv.resize(static_cast<size_t>(M) * qkv_w); attn.resize(static_cast<size_t>(M) * q_rows);
+    mlp.resize(static_cast<size_t>(M) * 2 * inter); act.resize(static_cast<size_t>(M) * inter);
+    xq.resize(static_cast<size_t>(M) * xq_w);
+    dx.resize(static_cast<size_t>(M) * s_w); sx.resize(static_cast<size_t>(M) * s_w);
+  }
 
   static void split(int tiles, int id, int n, int* t0, int* t1) {
     *t0 = tiles * id / n;
     *t1 = tiles * (id + 1) / n;
   }
 
-  // y = W x, this thread's share; x: the float activation (quantized in xq/dx/sx when W is not float)
-  void matvec(const QMat& w, const float* x, float* y, int id, int n) {
+  // row r of a [M, cols] float activation (stride `stride`) quantized into xq / dx / sx row r
+  void quantize_row(const float* src, int stride, int cols, int r) {
+    if (quantized) quantize(src + static_cast<size_t>(r) * stride, cols, xq.data() + static_cast<size_t>(r) * xq_w,
+                            dx.data() + static_cast<size_t>(r) * s_w, sx.data() + static_cast<size_t>(r) * s_w);
+  }
+
+  // y[r] = W x[r] for the M rows, this thread's share of W's rows; x: the float rows (their
+  // quantized copies in xq / dx / sx when W is not float)
+  void matmul(const QMat& w, int M, const float* x, int x_stride, float* y, int y_stride, int id, int n) {
+    const Acts a{x, xq.data(), dx.data(), sx.data(), x_stride, xq_w, s_w};
     int t0, t1;
     if (w.bits == 32) {
       split(w.rows / 8, id, n, &t0, &t1);
-      gemv_f32(w, x, y, t0 * 8, id == n - 1 ? w.rows : t1 * 8);
+      gemm_f32(w, a, M, y, y_stride, t0 * 8, id == n - 1 ? w.rows : t1 * 8);
       return;
     }
     split(w.rows / TILE, id, n, &t0, &t1);
-    gemv(w, xq.data(), dx.data(), sx.data(), y, t0, t1);
+    gemm(w, a, M, y, y_stride, t0, t1);
   }
 
-  void matvecs(const std::vector<QMat>& parts, const float* x, float* y, int id, int n) {
+  void matmuls(const std::vector<QMat>& parts, int M, const float* x, int x_stride, float* y, int y_stride, int id, int n) {
     for (const QMat& w : parts) {
-      matvec(w, x, y, id, n);
+      matmul(w, M, x, x_stride, y, y_stride, id, n);
       y += w.rows;
     }
   }
 
-  // keys and values of one layer: kv + kind * s0 + layer * s1 + head * s2 + slot * s3
-  void attention(const Layer& L, int layer, float* kv, const int64_t* st, const int64_t* slots, int64_t pos, int id, int n) {
+  // Head hd of row r attends over its sequence's keys up to its own position.
+  void attend(const Layer& L, int layer, const Row& row, int r, int hd, std::vector<float>& sc) {
     const int group = heads / kv_heads;
+    const int64_t pos = row.pos;
     const int64_t first = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
-    std::vector<float>& sc = scores[id];
     if (static_cast<int64_t>(sc.size()) < pos + 1) sc.resize(pos + 1);
-    int h0, h1;
-    split(heads, id, n, &h0, &h1);
-    for (int hd = h0; hd < h1; ++hd) {
-      const float* q = qkv.data() + hd * head_dim;
-      const int g = hd / group;
-      const float* kbase = kv + layer * st[1] + g * st[2];
-      const float* vbase = kbase + st[0];
-      float top = -INFINITY;
-      for (int64_t p = first; p <= pos; ++p) {
-        float s = dot(q, kbase + slots[p] * st[3], head_dim) * scaling;
-        sc[p] = s;
-        top = std::max(top, s);
-      }
-      float total = 0.f;
-      for (int64_t p = first; p <= pos; ++p) { sc[p] = std::exp(sc[p] - top); total += sc[p]; }
-      float* out = attn.data() + hd * head_dim;
-      std::memset(out, 0, sizeof(float) * head_dim);
-      for (int64_t p = first; p <= pos; ++p) {
-        const float* v = vbase + slots[p] * st[3];
-        const float wgt = sc[p] / total;
-        for (int i = 0; i < head_dim; ++i) out[i] += wgt * v[i];
-      }
+    const int64_t* st = row.st;
+    const int64_t* slots = row.slots;
+    const float* q = qkv.data() + static_cast<size_t>(r) * qkv_w + hd * head_dim;
+    const float* kbase = row.kv + layer * st[1] + (hd / group) * st[2];
+    const float* vbase = kbase + st[0];
+    float top = -INFINITY;
+    for (int64_t p = first; p <= pos; ++p) {
+      float s = dot(q, kbase + slots[p] * st[3], head_dim) * scaling;
+      sc[p] = s;
+      top = std::max(top, s);
+    }
+    float total = 0.f;
+    for (int64_t p = first; p <= pos; ++p) { sc[p] = std::exp(sc[p] - top); total += sc[p]; }
+    float* out = attn.data() + static_cast<size_t>(r) * q_rows + hd * head_dim;
+    std::memset(out, 0, sizeof(float) * head_dim);
+    for (int64_t p = first; p <= pos; ++p) {
+      const float* v = vbase + slots[p] * st[3];
+      const float wgt = sc[p] / total;
+      for (int i = 0; i < head_dim; ++i) out[i] += wgt * v[i];
     }
   }
 
-  struct StepArgs {
-    float* kv;
-    const int64_t* st;
-    const int64_t* slots;
-    int64_t pos;
-    const float* cos;
-    const float* sin;
-  };
-
-  // One decoder layer, this thread's share (thread 0 does the serial parts between barriers).
-  void layer_step(int l, const StepArgs& a, int id, int n) {
-    float* kv = a.kv;
-    const int64_t *st = a.st, *slots = a.slots;
-    const int64_t pos = a.pos;
-    const float *cos = a.cos, *sin = a.sin;
-    const int q_rows = heads * head_dim, kv_rows = kv_heads * head_dim;
+  // One decoder layer over the M rows, this thread's share. Per-row work goes to thread r % n,
+  // matrices split by output rows, attention by (row, head): each number is computed by one
+  // thread in one order, whatever M, the split and the other rows.
+  void layer_step(int l, const Row* rows, int M, int id, int n) {
+    const int kv_rows = kv_heads * head_dim;
     const Layer& L = stack[l];
-    if (id == 0) {
-      rms_norm(x.data(), L.in_norm, hidden, eps, h.data());
-      if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+    for (int r = id; r < M; r += n) {
+      rms_norm(x.data() + static_cast<size_t>(r) * hidden, L.in_norm, hidden, eps, h.data() + static_cast<size_t>(r) * hw);
+      quantize_row(h.data(), hw, hidden, r);
     }
     team.barrier(n);
-    matvecs(L.qkv, h.data(), qkv.data(), id, n);
+    matmuls(L.qkv, M, h.data(), hw, qkv.data(), qkv_w, id, n);
     team.barrier(n);
-    if (id == 0) {
-      float* k = qkv.data() + q_rows;
+    for (int r = id; r < M; r += n) {          // rotary, then every row's K and V written before any attends
+      const Row& row = rows[r];
+      float* q = qkv.data() + static_cast<size_t>(r) * qkv_w;
+      float* k = q + q_rows;
       float* v = k + kv_rows;
-      for (int hd = 0; hd < heads; ++hd) rotate(qkv.data() + hd * head_dim, cos, sin, head_dim);
+      for (int hd = 0; hd < heads; ++hd) rotate(q + hd * head_dim, row.cos, row.sin, head_dim);
       for (int g = 0; g < kv_heads; ++g) {
-        rotate(k + g * head_dim, cos, sin, head_dim);
-        float* at = kv + l * st[1] + g * st[2] + slots[pos] * st[3];
+        rotate(k + g * head_dim, row.cos, row.sin, head_dim);
+        float* at = row.kv + l * row.st[1] + g * row.st[2] + row.slots[row.pos] * row.st[3];
         std::memcpy(at, k + g * head_dim, sizeof(float) * head_dim);
-        std::memcpy(at + st[0], v + g * head_dim, sizeof(float) * head_dim);
+        std::memcpy(at + row.st[0], v + g * head_dim, sizeof(float) * head_dim);
       }
     }
     team.barrier(n);
-    attention(L, l, kv, st, slots, pos, id, n);
+    int a0, a1;
+    split(M * heads, id, n, &a0, &a1);
+    for (int task = a0; task < a1; ++task) attend(L, l, rows[task / heads], task / heads, task % heads, scores[id]);
     team.barrier(n);
-    if (id == 0 && quantized) quantize(attn.data(), q_rows, xq.data(), dx.data(), sx.data());
+    for (int r = id; r < M; r += n) quantize_row(attn.data(), q_rows, q_rows, r);
     team.barrier(n);
-    matvec(L.o, attn.data(), h.data(), id, n);
+    matmul(L.o, M, attn.data(), q_rows, h.data(), hw, id, n);
     team.barrier(n);
-    if (id == 0) {
-      for (int i = 0; i < hidden; ++i) x[i] += h[i];
-      rms_norm(x.data(), L.post_norm, hidden, eps, h.data());
-      if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+    for (int r = id; r < M; r += n) {
+      float* xr = x.data() + static_cast<size_t>(r) * hidden;
+      float* hr = h.data() + static_cast<size_t>(r) * hw;
+      for (int i = 0; i < hidden; ++i) xr[i] += hr[i];
+      rms_norm(xr, L.post_norm, hidden, eps, hr);
+      quantize_row(h.data(), hw, hidden, r);
     }
     team.barrier(n);
-    matvecs(L.gate_up, h.data(), mlp.data(), id, n);
+    matmuls(L.gate_up, M, h.data(), hw, mlp.data(), 2 * inter, id, n);
     team.barrier(n);
-    if (id == 0) {
+    for (int r = id; r < M; r += n) {
+      const float* mr = mlp.data() + static_cast<size_t>(r) * 2 * inter;
+      float* ar = act.data() + static_cast<size_t>(r) * inter;
       for (int i = 0; i < inter; ++i) {
-        float g = mlp[i];
-        act[i] = g / (1.f + std::exp(-g)) * mlp[inter + i];
+        float g = mr[i];
+        ar[i] = g / (1.f + std::exp(-g)) * mr[inter + i];
       }
-      if (quantized) quantize(act.data(), inter, xq.data(), dx.data(), sx.data());
+      quantize_row(act.data(), inter, inter, r);
     }
     team.barrier(n);
-    matvec(L.down, act.data(), h.data(), id, n);
+    matmul(L.down, M, act.data(), inter, h.data(), hw, id, n);
     team.barrier(n);
-    if (id == 0) for (int i = 0; i < hidden; ++i) x[i] += h[i];
+    for (int r = id; r < M; r += n) {         // the next layer's first stage is this thread's rows too
+      float* xr = x.data() + static_cast<size_t>(r) * hidden;
+      const float* hr = h.data() + static_cast<size_t>(r) * hw;
+      for (int i = 0; i < hidden; ++i) xr[i] += hr[i];
+    }
   }
 
-  // Final norm and head; with exact_top, each thread's best rows of its own range in best[id].
+  // Final norm and head for the wanted rows (compacted: wanted row j in h / xq row j), then the
+  // best exact_top logits of each recomputed in float from its float activations.
   void head_step(float* logits, int id, int n) {
-    if (id == 0) {
-      rms_norm(x.data(), final_norm, hidden, eps, h.data());
-      if (quantized) quantize(h.data(), hidden, xq.data(), dx.data(), sx.data());
+    const int W = static_cast<int>(wanted.size());
+    if (W == 0) return;
+    team.barrier(n);                            // every row's last layer done (rows move to row j)
+    for (int j = id; j < W; j += n) {
+      rms_norm(x.data() + static_cast<size_t>(wanted[j]) * hidden, final_norm, hidden, eps,
+               h.data() + static_cast<size_t>(j) * hw);
+      quantize_row(h.data(), hw, hidden, j);
     }
     team.barrier(n);
-    matvec(head, h.data(), logits, id, n);
-    if (exact_top > 0) {             // each thread's best rows of its own range
-      int t0, t1;
-      split(head.rows / TILE, id, n, &t0, &t1);
-      std::vector<std::pair<float, int>>& mine = best[id];
-      mine.clear();
-      for (int row = t0 * TILE; row < t1 * TILE; ++row) {
-        if (static_cast<int>(mine.size()) < exact_top) {
-          mine.emplace_back(logits[row], row);
-          std::push_heap(mine.begin(), mine.end(), std::greater<>());
-        } else if (logits[row] > mine.front().first) {
-          std::pop_heap(mine.begin(), mine.end(), std::greater<>());
-          mine.back() = {logits[row], row};
-          std::push_heap(mine.begin(), mine.end(), std::greater<>());
-        }
+    matmul(head, W, h.data(), hw, logits, vocab, id, n);
+    if (exact_top <= 0) return;
+    team.barrier(n);
+    for (int j = id; j < W; j += n) refine_top(logits + static_cast<size_t>(j) * vocab, h.data() + static_cast<size_t>(j) * hw);
+  }
+
+  // The best exact_top rows of one row's logits (ascending scan), recomputed in float.
+  void refine_top(float* logits, const float* hj) {
+    std::vector<std::pair<float, int>> best;
+    for (int row = 0; row < head.rows; ++row) {
+      if (static_cast<int>(best.size()) < exact_top) {
+        best.emplace_back(logits[row], row);
+        std::push_heap(best.begin(), best.end(), std::greater<>());
+      } else if (logits[row] > best.front().first) {
+        std::pop_heap(best.begin(), best.end(), std::greater<>());
+        best.back() = {logits[row], row};
+        std::push_heap(best.begin(), best.end(), std::greater<>());
       }
     }
+    for (auto& [value, row] : best) logits[row] = exact_row(head, row, hj);
   }
 
-  // Recompute the best exact_top logits in float from the float activations.
-  void refine_top(float* logits) {
-    std::vector<std::pair<float, int>> all;
-    for (auto& b : best) all.insert(all.end(), b.begin(), b.end());
-    std::sort(all.begin(), all.end(), std::greater<>());
-    all.resize(std::min<size_t>(all.size(), exact_top));
-    for (auto& [value, row] : all) logits[row] = exact_row(head, row, h.data());
-  }
-
-  void step(const float* x_in, float* kv, const int64_t* st, const int64_t* slots, int64_t pos,
-            const float* cos, const float* sin, float* logits) {
+  void step(int M, const float* x_in, const Row* rows, float* logits) {
     std::lock_guard<std::mutex> lock(busy);
-    std::memcpy(x.data(), x_in, sizeof(float) * hidden);
-    const StepArgs args{kv, st, slots, pos, cos, sin};
-    for (auto& b : best) b.clear();         // a team smaller than the last one leaves no stale rows
+    reserve(M);
+    std::memcpy(x.data(), x_in, sizeof(float) * M * hidden);
+    wanted.clear();
+    for (int r = 0; r < M; ++r) if (rows[r].want) wanted.push_back(r);
     std::function<void(int, int)> job = [&](int id, int n) {
-      for (int l = 0; l < layers; ++l) layer_step(l, args, id, n);
+      for (int l = 0; l < layers; ++l) layer_step(l, rows, M, id, n);
       head_step(logits, id, n);
     };
     team.run(job);
-    if (exact_top > 0) refine_top(logits);
   }
 };
 
@@ -504,7 +607,7 @@ QMat qmat(const void* const* p, const int* dims) {
 
 extern "C" {
 
-int kvb_abi_version() { return 3; }
+int kvb_abi_version() { return 4; }
 
 // sizes: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, exact_top, threads
 // layer_ptrs: per layer 2 norms then 7 matrices (q, k, v, o, gate, up, down) x (codes, d, m, bias) = 30;
@@ -542,19 +645,17 @@ void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* co
   if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;
   const int widest = std::max({dec->hidden, q_rows, dec->inter});
-  dec->x.resize(dec->hidden); dec->h.resize(std::max(dec->hidden, q_rows));
-  dec->qkv.resize(q_rows + 2 * kv_rows); dec->attn.resize(q_rows);
-  dec->mlp.resize(2 * dec->inter); dec->act.resize(dec->inter);
-  dec->xq.resize(widest + 64); dec->dx.resize(widest / BLOCK + 1); dec->sx.resize(widest / BLOCK + 1);
+  dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
+  dec->xq_w = widest + 64; dec->s_w = widest / BLOCK + 1;
+  dec->reserve(1);
   dec->scores.resize(std::max(dec->team.size(), 64));      // per thread (an OpenMP team may differ in size)
-  dec->best.resize(std::max(dec->team.size(), 64));
   return dec;
 }
 
-// kv: [2, layers, kv_heads, slots, head_dim]-shaped with element strides kv_strides (4); slots[p]: slot of position p
-void kvb_decoder_step(void* handle, const float* x, float* kv, const int64_t* kv_strides, const int64_t* slots,
-                      int64_t pos, const float* cos, const float* sin, float* logits) {
-  static_cast<Decoder*>(handle)->step(x, kv, kv_strides, slots, pos, cos, sin, logits);
+// One step over M rows (decode.cpp Row: each its own KV, slots and position; the rows of one
+// sequence's prompt chunk share them): x [M, hidden] their embeddings; logits [wanted rows, vocab].
+void kvb_decoder_rows(void* handle, int M, const float* x, const void* rows, float* logits) {
+  static_cast<Decoder*>(handle)->step(M, x, static_cast<const Row*>(rows), logits);
 }
 
 void kvb_decoder_free(void* handle) { delete static_cast<Decoder*>(handle); }

@@ -34,6 +34,7 @@ from . import build
 TILE, BLOCK = 16, 32
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
+PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
 
 
 def _int4_parts(module: Int4Linear) -> tuple:
@@ -132,10 +133,9 @@ class NativeDecoder:
         plain, g = adapter.plain_llama()[0], adapter.geometry
         self._keep = []                                         # every tensor the native side points at
         self.kind = weights_kind(adapter)
-        # Several sequences decoding together: up to this many, one native step each beats one
-        # batched PyTorch step over all (2 cores, 2026-12-01: int4 at 8 sequences 42 vs 53 ms;
-        # float32 at 2 already 42 vs 38 ms, so float batches always take the batched step)
-        self.batch_limit = 1 if self.kind == "float" else 8
+        # Sequences decoding together: up to this many take one native step over all of them (one
+        # row each, each row's numbers the same as its step alone); more take the PyTorch batch.
+        self.batch_limit = 64
         layer_ptrs, layer_dims = [], []
         parts = [adapter.layer_parts(i) for i in range(len(adapter.layers))]
         for layer in parts:
@@ -200,21 +200,54 @@ class NativeDecoder:
         """Whether a step at `position` can run on this KV (else the PyTorch path must)."""
         return self._view(kv, position) is not None
 
-    @torch.inference_mode()
-    def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
-        view = self._view(kv, position)
-        if view is None:
-            return None
+    def _row(self, view, position: int, want: bool, keep: list) -> "_Row":
         ram, slots = view
-        x = self.adapter.embed(torch.tensor([[token_id]])).float().contiguous()
-        cos, sin = self._rotary(position)
-        logits = torch.empty(self.vocab, dtype=torch.float32)
         strides = self._strides.get(ram.stride())
         if strides is None:
             strides = self._strides[ram.stride()] = _longs(ram.stride()[:4])
-        self._lib.kvb_decoder_step(self._handle, x.data_ptr(), ram.data_ptr(), strides, slots.data_ptr(),
-                                   position, cos.data_ptr(), sin.data_ptr(), logits.data_ptr())
+        cos, sin = self._rotary(position)
+        keep += (cos, sin)
+        return _Row(ram.data_ptr(), ctypes.addressof(strides), slots.data_ptr(), position, cos.data_ptr(),
+                    sin.data_ptr(), int(want))
+
+    def _step(self, rows: list[tuple], token_ids: list[int]) -> torch.Tensor:
+        """One native step: rows (KV view, position, logits wanted) with their tokens -> the wanted
+        rows' logits [wanted, vocab]; every row's K and V are written before any row attends."""
+        keep: list = []
+        array = (_Row * len(rows))(*(self._row(view, p, want, keep) for view, p, want in rows))
+        x = self.adapter.embed(torch.tensor([token_ids])).float().contiguous()
+        logits = torch.empty(sum(bool(want) for *_, want in rows), self.vocab, dtype=torch.float32)
+        self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
         return logits
+
+    @torch.inference_mode()
+    def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
+        view = self._view(kv, position)
+        return None if view is None else self._step([(view, position, True)], [token_id])[0]
+
+    @torch.inference_mode()
+    def decode_rows(self, items: list[tuple]) -> list[torch.Tensor] | None:
+        """One step over several sequences, items (kv, token_id, position): each one's logits [vocab],
+        the same numbers as its own step; None when some KV cannot be addressed by slot."""
+        views = [self._view(kv, position) for kv, _, position in items]
+        if any(view is None for view in views):
+            return None
+        return list(self._step([(view, p, True) for view, (_, _, p) in zip(views, items)], [t for _, t, _ in items]))
+
+    @torch.inference_mode()
+    def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
+        """Tokens at start.. of one sequence, in steps of up to PREFILL_ROWS rows (each row's numbers
+        do not depend on the rows beside it): the last one's logits [vocab], or None (not by slot)."""
+        view = self._view(kv, start + len(token_ids) - 1)
+        if view is None:
+            return None
+        self._rotary(start + len(token_ids) - 1)                  # the rotary table extended once
+        for lo in range(0, len(token_ids), PREFILL_ROWS):
+            chunk = token_ids[lo:lo + PREFILL_ROWS]
+            last = lo + len(chunk) == len(token_ids)
+            rows = [(view, start + lo + i, last and i == len(chunk) - 1) for i in range(len(chunk))]
+            logits = self._step(rows, chunk)
+        return logits[0]
 
     def close(self) -> None:
         if self._handle:
@@ -238,6 +271,12 @@ def native_decoder(adapter: ModelAdapter, threads: int | None = None) -> tuple[N
     if lib is None:
         return None, reason
     return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
+
+
+class _Row(ctypes.Structure):
+    """decode.cpp Row: one token of a step."""
+    _fields_ = [("kv", ctypes.c_void_p), ("st", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("pos", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("want", ctypes.c_int64)]
 
 
 def _ints(values) -> ctypes.Array:
