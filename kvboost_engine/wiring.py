@@ -175,6 +175,12 @@ def weight_stats(model) -> dict:
     streamer = getattr(model, "kvboost_streamer", None)
     if streamer is not None:
         out.update(streamer.telemetry())
+    packed = getattr(model, "kvboost_packed", None)
+    if packed is not None:
+        out.update(weights_format="gguf", weights_gguf=packed["gguf"], weights_cache_dir=packed["dir"],
+                   weights_requantized_error=packed["requantized_error"])
+    from .weights.memory import weight_memory
+    out.update(weight_memory(model))
     return out
 
 

@@ -61,7 +61,7 @@ def assert_exact(path) -> int:
     return len(reader.tensors)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("arch,model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("gemma3", "gemma3_text"),
                                              ("qwen3", "qwen3"), ("phi3", "phi3")])
 def test_tiny_models_dequantize_bit_for_bit(tmp_path, arch, model_type, qtype):
@@ -108,18 +108,19 @@ def test_k_quants_bit_for_bit(tmp_path, qtype):
 
 
 def test_inexact_type_is_refused_with_type_and_tensor(tmp_path):
-    path = tmp_path / "q5_0.gguf"
+    path = tmp_path / "q2_k.gguf"
     writer = GGUFWriter(str(path), "llama")
-    values = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
-    writer.add_tensor("blk.0.ffn_down.weight", quants.quantize(values, Q.Q5_0), raw_dtype=Q.Q5_0)
+    block, block_bytes = GGML_QUANT_SIZES[Q.Q2_K]
+    raw = np.random.default_rng(3).integers(0, 256, (4, 256 // block * block_bytes), dtype=np.uint8)
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=Q.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     tensor = GGUFFile(path).tensors["blk.0.ffn_down.weight"]
-    with pytest.raises(UnsupportedModelError, match="type Q5_0 of tensor blk.0.ffn_down.weight has no exact repack"):
+    with pytest.raises(UnsupportedModelError, match="type Q2_K of tensor blk.0.ffn_down.weight has no exact repack"):
         dequantize(tensor)
-    with pytest.raises(UnsupportedModelError, match="Q5_0 of tensor blk.0.ffn_down.weight"):
+    with pytest.raises(UnsupportedModelError, match="Q2_K of tensor blk.0.ffn_down.weight"):
         check_gguf(path)
 
 

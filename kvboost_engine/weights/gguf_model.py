@@ -32,11 +32,13 @@ from ..paths import build_lock, cache_home
 from .gguf_blocks import dequantize
 from .gguf_file import GGUFFile, check_gguf
 from .gguf_repack import repack, unpermute_rows
+from .memory import check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
 PACK_VERSION = "gguf-pack-1"
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
+REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes at most (Q6_K: 9 bits a weight for 6.56)
 EXACT_TOP = 8                   # head rows whose logits the native step recomputes in float (as weights="int4")
 DATA, INDEX, COMPLETE = "weights.bin", "weights.json", ".kvboost-complete"
 EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
@@ -57,6 +59,8 @@ def packed_gguf_dir(gguf_path: Path) -> Path:
     ident = xxhash.xxh64_hexdigest(f"{PACK_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "packed" / f"{gguf_path.stem}-{ident}"
     if not is_packed_dir(target):
+        # repacked one tensor at a time: the load after it maps about this much (module docstring of gguf_repack)
+        check_fits(int(summary.weight_bytes * REPACK_GROWTH), f"{gguf_path.name} repacked")
         target.parent.mkdir(parents=True, exist_ok=True)
         with build_lock(target):
             if not is_packed_dir(target):
@@ -164,7 +168,8 @@ def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, con
 
 def load_packed_model(target: Path, config) -> nn.Module:
     """The model of a repacked dir (packed_gguf_dir): weights are views of its mapped file."""
-    tensors, meta = read_pack(target / DATA, target / INDEX)
+    check_fits((target / DATA).stat().st_size, f"the model in {target}")
+    tensors, meta, span = read_pack(target / DATA, target / INDEX)
     model = _skeleton(config)
     padding_idx = getattr(model.model.embed_tokens, "padding_idx", None)
     for name, spec in meta["matrices"].items():
@@ -191,6 +196,25 @@ def load_packed_model(target: Path, config) -> nn.Module:
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise InputError(f"{target}: no weights for {left[0]} ({len(left)} in all); delete the dir to repack")
+    model.kvboost_mapped = [span]
     model.kvboost_packed = {"dir": str(target), "mapped_bytes": mapped_bytes(tensors), "gguf": meta.get("gguf"),
                             "requantized_error": meta.get("requantized_error", {})}
     return model.eval()
+
+
+def load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict):
+    """A repacked GGUF dir: quantized as stored, float32 activations on CPU."""
+    import torch
+    from transformers import AutoConfig
+
+    from ..model import compat
+    from ..model.arch import check_supported
+
+    if fmt is not None or device.type != "cpu" or dtype != torch.float32:
+        raise InputError(f"a GGUF loaded as stored runs on CPU with float32 activations (got weights={fmt!r}, "
+                         f"{dtype} on {device.type}); pass weights='fp32' for a float model of it")
+    if any(v is not None for v in awq_options.values()):
+        raise InputError("layer streaming options are for AWQ checkpoints, not a GGUF")
+    config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
+    check_supported(config)
+    return load_packed_model(source, config), compat.load_tokenizer(source)

@@ -41,3 +41,44 @@ def _libc():
         lib = ctypes.CDLL(name) if name else None
         _LIBC.append(lib if lib is not None and hasattr(lib, "malloc_trim") else None)
     return _LIBC[0]
+
+
+def available_bytes() -> int | None:
+    """Memory the kernel says a new allocation can get without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(needed: int, what: str, budget: int | None = None) -> None:
+    """Refuse up front (BudgetError with the figures) a load needing more than `budget` bytes, or
+    more than the memory available now: never an OOM kill half-way through."""
+    from ..errors import BudgetError
+    limit = budget if budget is not None else available_bytes()
+    if limit is not None and needed > limit:
+        where = "the memory budget" if budget is not None else "the memory available (MemAvailable)"
+        raise BudgetError(f"{what} needs {needed / 2**30:.2f} GiB but {where} is {limit / 2**30:.2f} GiB; "
+                            "free memory, or load a smaller model or format")
+
+
+def weight_memory(model) -> dict:
+    """Bytes of the model's distinct weight tensors: resident in this process's memory, and views
+    of a mapped file (`model.kvboost_mapped`: address ranges), which the page cache holds."""
+    import itertools
+    ranges = getattr(model, "kvboost_mapped", ())
+    seen, resident, mapped = set(), 0, 0
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.is_meta or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        size = tensor.numel() * tensor.element_size()
+        if any(start <= tensor.data_ptr() < end for start, end in ranges):
+            mapped += size
+        else:
+            resident += size
+    return {"weights_resident_bytes": resident, "weights_mapped_bytes": mapped}

@@ -8,6 +8,7 @@ never copied (its pages are the page cache's, shared with other processes mappin
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -54,8 +55,9 @@ class PackWriter:
             self._out.close()
 
 
-def read_pack(data: Path, index: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(name -> tensor viewing the mapped file, meta). InputError for a file that does not match its index."""
+def read_pack(data: Path, index: Path) -> tuple[dict[str, torch.Tensor], dict, tuple[int, int]]:
+    """(name -> tensor viewing the mapped file, meta, the mapping's address range). InputError for a
+    file that does not match its index."""
     try:
         info = json.loads(index.read_text())
     except (OSError, ValueError) as err:
@@ -64,6 +66,7 @@ def read_pack(data: Path, index: Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise InputError(f"{data}: not the file its index {index.name} describes (format or size differ)")
     with open(data, "rb") as handle:
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if info["bytes"] else None
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapped)) if mapped is not None else 0
     tensors = {}
     for name, entry in info["tensors"].items():
         dtype = _DTYPES[entry["dtype"]]
@@ -75,7 +78,7 @@ def read_pack(data: Path, index: Path) -> tuple[dict[str, torch.Tensor], dict]:
             continue
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=entry["offset"])
         tensors[name] = flat.view(entry["shape"])
-    return tensors, info["meta"]
+    return tensors, info["meta"], (start, start + info["bytes"])
 
 
 def mapped_bytes(tensors: dict[str, torch.Tensor]) -> int:

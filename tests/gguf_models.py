@@ -1,0 +1,108 @@
+"""Tiny random GGUF models written with the `gguf` package (no download): a complete file that
+transformers and kvboost load (architecture metadata, a byte-level tokenizer, every tensor), in the
+tensor types asked for."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+
+Q = GGMLQuantizationType
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+HEAD_DIM = {"gemma3": 64, "qwen3": 128}         # head_dim != hidden / heads where the architecture allows
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 272                                      # 256 byte tokens, the special ones, padding to 16 rows
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte-level alphabet: one printable character per byte (its bytes_to_unicode)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _add_tokenizer(w: GGUFWriter) -> None:
+    """A byte-level BPE tokenizer with one merge (every other byte one token), ChatML template."""
+    tokens = _byte_tokens() + SPECIAL + ["he"]
+    tokens += [f"<|pad{i}|>" for i in range(VOCAB - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3] * 3 + [1] + [3] * (VOCAB - 260))
+    w.add_token_merges(["h e"])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(258)
+    w.add_pad_token_id(256)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _kquant_bytes(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random K-quant blocks with finite fp16 scales (the gguf package cannot quantize to K-quants)."""
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, block_bytes), dtype=np.uint8)
+    for start in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}[qtype]:
+        scale = (np.abs(rng.standard_normal(raw.shape[:2])) * 0.0005 + 0.0001).astype(np.float16)
+        raw[..., start:start + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | None = None, tied: bool = True,
+                bias: bool = False, seed: int = 0) -> None:
+    """A tiny `arch` model: matrices in `qtype` (the head in `head`, the embedding in `embed`)."""
+    rng = np.random.default_rng(seed)
+    head_dim = HEAD_DIM.get(arch, HIDDEN // HEADS)
+    vocab = VOCAB
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"{arch} tiny")
+    w.add_context_length(2048)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab)
+    if arch == "gemma3":
+        w.add_sliding_window(64)
+    _add_tokenizer(w)
+    kv, q = KV_HEADS * head_dim, HEADS * head_dim
+    shapes = {"token_embd.weight": (vocab, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    if not tied:
+        shapes["output.weight"] = (vocab, HIDDEN)
+    parts = {"attn_norm": (HIDDEN,), "attn_q": (q, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+             "attn_output": (HIDDEN, q), "ffn_norm": (HIDDEN,), "ffn_gate": (INTER, HIDDEN),
+             "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    if arch in ("qwen3", "gemma3"):
+        parts.update(attn_q_norm=(head_dim,), attn_k_norm=(head_dim,))
+    if arch == "gemma3":
+        parts.update(post_attention_norm=(HIDDEN,), post_ffw_norm=(HIDDEN,))
+    for i in range(LAYERS):
+        shapes.update({f"blk.{i}.{p}.weight": s for p, s in parts.items()})
+        if bias:
+            shapes.update({f"blk.{i}.attn_{p}.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))})
+    for name, shape in shapes.items():
+        kind = embed if name == "token_embd.weight" else head if name == "output.weight" else qtype
+        if len(shape) == 1:
+            values = rng.standard_normal(shape).astype(np.float32) * (0.02 if name.endswith("bias") else 0.1)
+            w.add_tensor(name, values + (0 if name.endswith("bias") else 1.0))
+        elif (kind or qtype) in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            w.add_tensor(name, _kquant_bytes(rng, kind or qtype, *shape), raw_dtype=kind or qtype)
+        else:
+            values = rng.standard_normal(shape).astype(np.float32) * 0.05
+            kind = kind or qtype
+            w.add_tensor(name, values if kind == Q.F32 else quants.quantize(values, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

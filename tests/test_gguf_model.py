@@ -1,0 +1,132 @@
+"""A GGUF loaded as stored (weights/gguf_model.py): tiny random llama / qwen2 / qwen3 / gemma3 files
+written with the `gguf` package. The packed model's PyTorch forward equals transformers' own
+dequantized model of the same file (exact types: bit for bit; re-quantized types: within the
+stated error); a cached reload reads no GGUF; bad input is refused before anything is built."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader, quants
+
+from kvboost_engine import Engine
+from kvboost_engine.errors import InputError
+from kvboost_engine.loading import converted_gguf_dir, load_model_and_tokenizer
+from kvboost_engine.weights import gguf_model
+from kvboost_engine.weights.gguf_file import GGUFFile
+from kvboost_engine.weights.gguf_model import load_packed_model, packed_gguf_dir
+from kvboost_engine.weights.gguf_repack import repack
+from kvboost_engine.weights.packed import PackedEmbedding, PackedLinear
+
+from gguf_models import Q, write_model
+
+CPU, F32 = torch.device("cpu"), torch.float32
+IDS = torch.tensor([[256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 257, 200]])
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+
+
+def _both(path):
+    packed, _ = load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32)
+    floats, _ = load_model_and_tokenizer(converted_gguf_dir(path), device=CPU, dtype=F32)
+    with torch.inference_mode():
+        return packed, packed(IDS).logits, floats(IDS).logits
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q4_0), ("llama", Q.Q4_1), ("qwen2", Q.Q8_0), ("qwen3", Q.Q5_0),
+                                        ("gemma3", Q.Q4_1), ("llama", Q.Q5_1)], ids=str)
+def test_packed_model_equals_transformers_dequantized(tmp_path, arch, qtype):
+    path = tmp_path / f"{arch}.gguf"
+    write_model(path, arch, qtype, embed=Q.Q8_0, bias=arch == "qwen2")
+    packed, ours, reference = _both(path)
+    linears = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 2 * 7 + 1 and isinstance(packed.model.embed_tokens, PackedEmbedding)
+    assert packed.lm_head is packed.model.embed_tokens.table                    # tied: one table
+    assert not any(p.is_meta for p in packed.parameters())
+    assert torch.equal(ours, reference)
+
+
+def test_untied_head_and_k_quants(tmp_path):
+    path = tmp_path / "k.gguf"
+    write_model(path, "llama", Q.Q4_K, head=Q.Q5_K, embed=Q.Q8_0, tied=False)
+    packed, ours, reference = _both(path)
+    assert packed.lm_head is not packed.model.embed_tokens.table
+    assert packed.lm_head.bits == 8 and packed.lm_head.d.dtype == torch.float32
+    assert torch.equal(ours, reference)
+
+
+def test_q6_k_is_requantized_within_its_stated_error(tmp_path):
+    path = tmp_path / "q6.gguf"
+    write_model(path, "llama", Q.Q4_0, head=Q.Q6_K, embed=Q.Q8_0, tied=False)
+    tensor = GGUFFile(path).tensors["output.weight"]
+    packed = repack(tensor)
+    reference = torch.from_numpy(quants.dequantize(tensor.raw, Q.Q6_K).reshape(tensor.shape).astype(np.float32))
+    weights = PackedLinear(packed.codes, packed.d, packed.m, 8, *tensor.shape).dequantized()
+    error = (weights - reference).abs().max().item()
+    assert 0 < error <= packed.max_error + 1e-12
+    assert error <= reference.view(-1, 32).abs().amax(dim=1).max().item() / 254 * 1.001
+    model, ours, float_logits = _both(path)
+    assert model.kvboost_packed["requantized_error"]["Q6_K"] == pytest.approx(packed.max_error)
+    assert (ours - float_logits).abs().max() < 0.01 * float_logits.abs().max()      # vs 1/254 per weight
+
+
+def test_dequantized_weights_equal_the_gguf_package(tmp_path):
+    path = tmp_path / "w.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    file = GGUFFile(path)
+    for t in GGUFReader(path).tensors:
+        if len(t.shape) != 2 or t.tensor_type not in (Q.Q4_0, Q.Q8_0):
+            continue
+        packed = repack(file.tensors[t.name])
+        ours = PackedLinear(packed.codes, packed.d, packed.m, packed.bits, packed.rows, packed.cols).dequantized()
+        reference = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        assert torch.equal(ours, reference.view(ours.shape)), t.name          # +0.0 == -0.0 as numbers
+
+
+def test_cached_reload_reads_no_gguf_and_maps_the_weights(tmp_path, monkeypatch):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", Q.Q4_1, embed=Q.Q8_0)
+    target = packed_gguf_dir(path)
+    monkeypatch.setattr(gguf_model, "_build", lambda *a: pytest.fail("repacked again"))
+    assert packed_gguf_dir(path) == target
+    monkeypatch.setattr(gguf_model, "GGUFFile", lambda *a: pytest.fail("read the GGUF"))
+    from transformers import AutoConfig
+    model = load_packed_model(target, AutoConfig.from_pretrained(target))
+    info = model.kvboost_packed
+    size = (target / gguf_model.DATA).stat().st_size
+    assert 0.9 * size <= info["mapped_bytes"] <= size
+    # views of the mapping, not copies
+    (start, end), = model.kvboost_mapped
+    assert end - start == size
+    for tensor in (model.model.layers[0].mlp.down_proj.codes, model.lm_head.d, model.model.norm.weight):
+        assert start <= tensor.data_ptr() < end
+
+
+def test_engine_loads_a_gguf_as_stored_and_decodes(tmp_path):
+    path = tmp_path / "e.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    engine = Engine.from_pretrained(path)
+    try:
+        out = engine.generate("Hello there", max_new_tokens=6, min_new_tokens=6)
+        assert out.completion_tokens == 6
+        stats = engine.stats()
+        assert stats["weights_mapped_bytes"] > 0 and stats["weights_resident_bytes"] < 200_000
+    finally:
+        engine.close()
+
+
+def test_refusals_name_the_problem(tmp_path):
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    data = path.read_bytes()
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(InputError, match="truncated"):
+        packed_gguf_dir(truncated)
+    with pytest.raises(InputError, match="weights='gguf'"):
+        Engine.from_pretrained(tmp_path, weights="gguf")
+    with pytest.raises(InputError, match="CPU with float32"):
+        load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32, weights="int4")
