@@ -33,6 +33,7 @@ namespace {
 
 constexpr int TILE = 16;     // output rows per tile
 constexpr int BLOCK = 32;    // input columns per block (one activation scale, one weight scale per row)
+constexpr int KEY_BLOCK = 256;  // keys per attention task (a long context's keys split across threads)
 
 enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2 };   // element type of a matrix's d and m
 
@@ -294,6 +295,36 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// e^x for 16 floats (x <= 88): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2 (ln 2 split in two
+// for an exact r), e^r by its Taylor polynomial of degree 6 (relative error ~1e-7), 2^n by vscalefps
+// (which gives 0 below the float range).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// SiLU(g) * u over n values
+void silu_mul(const float* g, const float* u, int n, float* out) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 gv = _mm512_loadu_ps(g + i);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 // The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
 // short spin once a process has more OpenMP threads than cores (a second thread that ran PyTorch
 // ops is enough), which made a step of ~300 barriers 50 % slower on a thread other than the main one.
@@ -409,7 +440,9 @@ struct Decoder {
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
-  std::vector<std::vector<float>> scores;      // per thread
+  std::vector<std::vector<float>> scores;      // per thread [KEY_BLOCK]
+  std::vector<std::vector<int>> task_off;      // per thread: attention tasks before each row
+  std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
   Decoder(int threads) : team(threads) {}
@@ -456,31 +489,92 @@ struct Decoder {
     }
   }
 
-  // Head hd of row r attends over its sequence's keys up to its own position.
-  void attend(const Layer& L, int layer, const Row& row, int r, int hd, std::vector<float>& sc) {
-    const int group = heads / kv_heads;
-    const int64_t pos = row.pos;
-    const int64_t first = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
-    if (static_cast<int64_t>(sc.size()) < pos + 1) sc.resize(pos + 1);
+  int64_t first_key(const Layer& L, int64_t pos) const { return L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0; }
+  static int key_blocks(int64_t first, int64_t pos) { return static_cast<int>((pos - first + KEY_BLOCK) / KEY_BLOCK); }
+
+  // Head hd of row r over its keys k0 .. k1 (one block of at most KEY_BLOCK, from the row's first
+  // key): the block's top score, sum of exp(score - top) and sum of exp(score - top) * value,
+  // into partial `task`. A row's blocks depend on its position only, never on the threads.
+  void attend_block(int layer, const Row& row, int r, int hd, int64_t k0, int64_t k1, int task, float* sc) {
     const int64_t* st = row.st;
     const int64_t* slots = row.slots;
     const float* q = qkv.data() + static_cast<size_t>(r) * qkv_w + hd * head_dim;
-    const float* kbase = row.kv + layer * st[1] + (hd / group) * st[2];
+    const float* kbase = row.kv + layer * st[1] + (hd / (heads / kv_heads)) * st[2];
     const float* vbase = kbase + st[0];
+    const int n = static_cast<int>(k1 - k0);
     float top = -INFINITY;
-    for (int64_t p = first; p <= pos; ++p) {
-      float s = dot(q, kbase + slots[p] * st[3], head_dim) * scaling;
-      sc[p] = s;
-      top = std::max(top, s);
+    for (int i = 0; i < n; ++i) {
+      sc[i] = dot(q, kbase + slots[k0 + i] * st[3], head_dim) * scaling;
+      top = std::max(top, sc[i]);
     }
-    float total = 0.f;
-    for (int64_t p = first; p <= pos; ++p) { sc[p] = std::exp(sc[p] - top); total += sc[p]; }
-    float* out = attn.data() + static_cast<size_t>(r) * q_rows + hd * head_dim;
+    const __m512 tv = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + i), tv));
+      _mm512_storeu_ps(sc + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (i < n) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + i), tv));
+      _mm512_mask_storeu_ps(sc + i, mask, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+    }
+    float* out = part_o.data() + static_cast<size_t>(task) * head_dim;
     std::memset(out, 0, sizeof(float) * head_dim);
-    for (int64_t p = first; p <= pos; ++p) {
-      const float* v = vbase + slots[p] * st[3];
-      const float wgt = sc[p] / total;
-      for (int i = 0; i < head_dim; ++i) out[i] += wgt * v[i];
+    for (int j = 0; j < n; ++j) {
+      const float* v = vbase + slots[k0 + j] * st[3];
+      const float wgt = sc[j];
+      for (int c = 0; c < head_dim; ++c) out[c] += wgt * v[c];
+    }
+    part_ml[2 * static_cast<size_t>(task)] = top;
+    part_ml[2 * static_cast<size_t>(task) + 1] = _mm512_reduce_add_ps(sum);
+  }
+
+  // Row r's attention output for every head from its blocks' partials (tasks from `base`, nb per head).
+  void combine(int r, int base, int nb) {
+    for (int hd = 0; hd < heads; ++hd) {
+      const int t0 = base + hd * nb;
+      float top = -INFINITY;
+      for (int b = 0; b < nb; ++b) top = std::max(top, part_ml[2 * static_cast<size_t>(t0 + b)]);
+      float* out = attn.data() + static_cast<size_t>(r) * q_rows + hd * head_dim;
+      std::memset(out, 0, sizeof(float) * head_dim);
+      float total = 0.f;
+      for (int b = 0; b < nb; ++b) {
+        const float scale = std::exp(part_ml[2 * static_cast<size_t>(t0 + b)] - top);
+        total += part_ml[2 * static_cast<size_t>(t0 + b) + 1] * scale;
+        const float* o = part_o.data() + static_cast<size_t>(t0 + b) * head_dim;
+        for (int c = 0; c < head_dim; ++c) out[c] += o[c] * scale;
+      }
+      const float inv = 1.f / total;
+      for (int c = 0; c < head_dim; ++c) out[c] *= inv;
+    }
+  }
+
+  // Attention of the M rows (their K and V written): (row, head, key block) tasks split across the
+  // threads, so heads and keys of a long context share the cores; then each row's partials combined.
+  void attention(int l, const Row* rows, int M, int id, int n) {
+    const Layer& L = stack[l];
+    std::vector<int>& off = task_off[id];                 // tasks before row r (every thread the same)
+    off.resize(M + 1);
+    off[0] = 0;
+    for (int r = 0; r < M; ++r) off[r + 1] = off[r] + heads * key_blocks(first_key(L, rows[r].pos), rows[r].pos);
+    int a0, a1;
+    split(off[M], id, n, &a0, &a1);
+    int r = static_cast<int>(std::upper_bound(off.begin(), off.end(), a0) - off.begin()) - 1;
+    for (int task = a0; task < a1; ++task) {
+      while (task >= off[r + 1]) ++r;
+      const int64_t first = first_key(L, rows[r].pos);
+      const int nb = key_blocks(first, rows[r].pos);
+      const int hd = (task - off[r]) / nb, blk = (task - off[r]) % nb;
+      const int64_t k0 = first + static_cast<int64_t>(blk) * KEY_BLOCK;
+      attend_block(l, rows[r], r, hd, k0, std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK), task, scores[id].data());
+    }
+    team.barrier(n);
+    for (int r2 = id; r2 < M; r2 += n) {
+      combine(r2, off[r2], key_blocks(first_key(L, rows[r2].pos), rows[r2].pos));
+      quantize_row(attn.data(), q_rows, q_rows, r2);
     }
   }
 
@@ -511,11 +605,7 @@ struct Decoder {
       }
     }
     team.barrier(n);
-    int a0, a1;
-    split(M * heads, id, n, &a0, &a1);
-    for (int task = a0; task < a1; ++task) attend(L, l, rows[task / heads], task / heads, task % heads, scores[id]);
-    team.barrier(n);
-    for (int r = id; r < M; r += n) quantize_row(attn.data(), q_rows, q_rows, r);
+    attention(l, rows, M, id, n);
     team.barrier(n);
     matmul(L.o, M, attn.data(), q_rows, h.data(), hw, id, n);
     team.barrier(n);
@@ -532,10 +622,7 @@ struct Decoder {
     for (int r = id; r < M; r += n) {
       const float* mr = mlp.data() + static_cast<size_t>(r) * 2 * inter;
       float* ar = act.data() + static_cast<size_t>(r) * inter;
-      for (int i = 0; i < inter; ++i) {
-        float g = mr[i];
-        ar[i] = g / (1.f + std::exp(-g)) * mr[inter + i];
-      }
+      silu_mul(mr, mr + inter, inter, ar);
       quantize_row(act.data(), inter, inter, r);
     }
     team.barrier(n);
@@ -588,6 +675,9 @@ struct Decoder {
     std::memcpy(x.data(), x_in, sizeof(float) * M * hidden);
     wanted.clear();
     for (int r = 0; r < M; ++r) if (rows[r].want) wanted.push_back(r);
+    size_t tasks = 0;                          // the most attention tasks of any layer (no window)
+    for (int r = 0; r < M; ++r) tasks += static_cast<size_t>(heads) * key_blocks(0, rows[r].pos);
+    if (part_ml.size() < 2 * tasks) { part_o.resize(tasks * head_dim); part_ml.resize(2 * tasks); }
     std::function<void(int, int)> job = [&](int id, int n) {
       for (int l = 0; l < layers; ++l) layer_step(l, rows, M, id, n);
       head_step(logits, id, n);
@@ -648,7 +738,8 @@ void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* co
   dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
   dec->xq_w = widest + 64; dec->s_w = widest / BLOCK + 1;
   dec->reserve(1);
-  dec->scores.resize(std::max(dec->team.size(), 64));      // per thread (an OpenMP team may differ in size)
+  dec->scores.assign(std::max(dec->team.size(), 64), std::vector<float>(KEY_BLOCK));   // per thread (an OpenMP
+  dec->task_off.resize(dec->scores.size());                                            // team may differ in size)
   return dec;
 }
 
