@@ -182,11 +182,8 @@ def _hf_dir(path: Path, what: str) -> Path:
 
 
 def gguf_architecture(gguf_path: Path) -> str:
-    from gguf import GGUFReader
-    field = GGUFReader(str(gguf_path)).fields.get("general.architecture")
-    if field is None:
-        raise UnsupportedModelError(f"{gguf_path} has no general.architecture field")
-    return bytes(field.parts[field.data[0]]).decode()
+    from .weights.gguf_file import GGUFFile
+    return GGUFFile(gguf_path).architecture
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
@@ -289,6 +286,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     from .model.arch import check_supported
     from .weights.awq.format import awq_config_of
     from .weights.awq.loader import load_awq_model
+    from .weights.hf_pack import load_hf_packed
     from .weights.quantized import check_weights_format, convert_model
 
     fmt = check_weights_format(weights, dtype, device)
@@ -312,9 +310,11 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
         raise InputError(f"{', '.join(sorted(awq_options))}: layer streaming needs an AWQ checkpoint "
                          f"(quantization_config with quant_method 'awq'); {source} is not one")
     tokenizer = compat.load_tokenizer(source)
+    packed = load_hf_packed(source, fmt, config, tokenizer, device, dtype)   # int4/int8: no float copy
+    if packed is not None:
+        return packed, tokenizer
     with building_model():          # transformers' build swaps process-wide state (model/building.py)
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
-    model = model.to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype).to(device).eval()
     if fmt is not None:
         convert_model(model, fmt)
     return model, tokenizer

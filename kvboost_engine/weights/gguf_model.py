@@ -15,6 +15,7 @@ interleaved q/k rows of llama-architecture files back to HF order; Gemma 3's nor
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -68,7 +69,7 @@ def packed_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
-def _skeleton(config) -> nn.Module:
+def skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device (buffers such as rotary tables are real)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -100,7 +101,7 @@ def _build(gguf_path: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     file = GGUFFile(gguf_path)
     arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))
-    model = _skeleton(config)
+    model = skeleton(config)
     staging = Path(tempfile.mkdtemp(prefix=".pack-", dir=target.parent))
     try:
         writer = PackWriter(staging / DATA, staging / INDEX)
@@ -170,7 +171,7 @@ def load_packed_model(target: Path, config) -> nn.Module:
     """The model of a repacked dir (packed_gguf_dir): weights are views of its mapped file."""
     check_fits((target / DATA).stat().st_size, f"the model in {target}")
     tensors, meta, span = read_pack(target / DATA, target / INDEX)
-    model = _skeleton(config)
+    model = skeleton(config)
     padding_idx = getattr(model.model.embed_tokens, "padding_idx", None)
     for name, spec in meta["matrices"].items():
         parent, _, child = name.rpartition(".")
@@ -217,4 +218,13 @@ def load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict)
         raise InputError("layer streaming options are for AWQ checkpoints, not a GGUF")
     config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
     check_supported(config)
-    return load_packed_model(source, config), compat.load_tokenizer(source)
+    try:
+        model = load_packed_model(source, config)
+    except InputError as err:                   # the cache file changed or is damaged: repack it once
+        gguf_path = json.loads((source / INDEX).read_text())["meta"].get("gguf")
+        if not gguf_path or not Path(gguf_path).is_file():
+            raise
+        log.warning("%s; repacking %s", err, gguf_path)
+        shutil.rmtree(source, ignore_errors=True)
+        model = load_packed_model(packed_gguf_dir(Path(gguf_path)), config)
+    return model, compat.load_tokenizer(source if source.is_dir() else model.kvboost_packed["dir"])
