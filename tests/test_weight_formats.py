@@ -159,3 +159,34 @@ def test_batched_generation_with_int8_stays_close_to_serial():
     assert all(len(b) == len(s) or 2 in b or 2 in s for b, s in zip(batched, serial))
     assert engine.cache.pool.usage()["in_use"] == 0
     assert engine.stats()["weights_format"] == "int8"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_int_formats_convert_tensor_by_tensor_and_reload_without_the_float_file(tiny_dir, fmt, monkeypatch):
+    """int4/int8 on CPU float32: the packed path (weights/hf_pack.py). Same codes and scales as the
+    int4/int8 modules (the weights decode to what those modules decode to); the second load maps the
+    converted file and never opens the float checkpoint."""
+    from kvboost_engine.weights.formats import quantize_int4_groups
+    from kvboost_engine.weights.packed import PackedLinear
+    model, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights=fmt)
+    assert not model.kvboost_weights.weights_from_cache
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) and down.bits == (4 if fmt == "int4" else 8)
+    float_model = tiny_model("llama", seed=3)
+    weight = float_model.model.layers[0].mlp.down_proj.weight.detach()
+    if fmt == "int4":
+        codes, scale_zeros = quantize_int4_groups(weight)
+        n, k = weight.shape
+        scale = scale_zeros[..., 0].T.float().repeat_interleave(32, dim=1)
+        offset = scale_zeros[..., 1].T.float().repeat_interleave(32, dim=1) - 8 * scale
+        assert torch.equal(down.dequantized(), codes.float() * scale + offset)
+    import safetensors
+    import transformers
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("opened the float checkpoint"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded the float model"))
+    again, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights=fmt)
+    assert again.kvboost_weights.weights_from_cache
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, again(ids).logits)
