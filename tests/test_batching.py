@@ -162,7 +162,7 @@ def test_decoding_sequences_over_one_prompt_read_its_shared_blocks_once(smol, se
         return original(self, seqs, ends, layer, *args)
 
     monkeypatch.setattr(PagedSequence, "attend_shared", counted)
-    engine = Engine(*smol)
+    engine = Engine(*smol, native_decode=False)           # the PyTorch batch step (native: one step over all rows)
     engine.chat(chat(QUESTIONS[0]), max_new_tokens=1)                  # the system prompt is cached
     gens, _ = concurrent(engine, [(q, {}) for q in QUESTIONS], max_new_tokens=12)
     assert groups and max(n for n, _ in groups) >= 3 and min(s for _, s in groups) >= 32

@@ -110,10 +110,19 @@ def test_closed_stream_and_exception_leave_cache_consistent(engine, cold_engine,
         return real(layer_idx, *args)
 
     monkeypatch.setattr(engine.adapter, "run_layer", flaky)
+    native_prefill = engine._native.prefill if engine._native is not None else None
+
+    def flaky_prefill(kv, token_ids, start):            # the native prefill runs no layer: half a chunk, then out
+        native_prefill(kv, token_ids[:len(token_ids) // 2], start)
+        raise KeyboardInterrupt("simulated interrupt mid-prefill")
+    if native_prefill is not None:
+        monkeypatch.setattr(engine._native, "prefill", flaky_prefill)
     other = messages[:1] + [{"role": "user", "content": "What does a chain cost, and a tune-up?"}]
     with pytest.raises(KeyboardInterrupt):
         engine.chat(other, max_new_tokens=30)
     monkeypatch.setattr(engine.adapter, "run_layer", real)
+    if native_prefill is not None:
+        monkeypatch.setattr(engine._native, "prefill", native_prefill)
     engine.cache.check_invariants()
     for msgs in (messages, other):
         assert engine.chat(msgs, max_new_tokens=30).token_ids == cold_engine.chat(msgs, max_new_tokens=30).token_ids

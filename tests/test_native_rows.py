@@ -92,3 +92,25 @@ def test_native_prefill_matches_pytorch_and_any_chunking(tmp_path, weights, mode
     else:                                                        # int8 activations
         assert ((whole - want).norm() / want.norm()).item() < 0.05
         assert all(((y - x).norm() / x.norm()).item() < 0.05 for x, y in zip(states[0], states[1]))
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_forward_batch_takes_the_native_step_with_serial_numbers(tmp_path, weights):
+    """Forward.batch with the native step: decoding sequences in one step, a prompt chunk in the
+    same batch by native prefill; each sequence's logits equal to its own forward, bit for bit."""
+    model = make(weights, "qwen2", {}, tmp_path)
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    forward = Forward(adapter, fast_decode=decoder)
+    lengths = [20, 7, 13]
+    alone, together = [_contiguous(adapter) for _ in lengths], [_contiguous(adapter) for _ in lengths]
+    with torch.inference_mode():
+        for kvs in (alone, together):
+            for kv, n in zip(kvs, lengths):
+                forward(kv, PROMPT[:n], 0)
+        items = [(kv, [PROMPT[n - 1]], n) for kv, n in zip(alone[:2], lengths[:2])] + [(alone[2], PROMPT[:6], 13)]
+        want = [forward(kv, ids, start) for kv, ids, start in items]
+        items = [(kv, [PROMPT[n - 1]], n) for kv, n in zip(together[:2], lengths[:2])] + [(together[2], PROMPT[:6], 13)]
+        got = forward.batch(items, [True, True, True])
+    assert all(torch.equal(w, g) for w, g in zip(want, got))

@@ -34,7 +34,7 @@ def use_kvboost_attention(model: torch.nn.Module) -> None:
 
 
 class FastDecode(Protocol):
-    batch_limit: int        # up to this many decoding sequences take one fast step each, not one batched step
+    batch_limit: int        # up to this many decoding sequences take one fast step together (decode_rows)
 
     def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
         """Compute one token at `position` over `kv` (its KV written in place) and return logits
@@ -43,11 +43,19 @@ class FastDecode(Protocol):
     def accepts(self, kv, position: int) -> bool:
         """Whether a step at `position` can run on `kv`."""
 
+    def decode_rows(self, items: list[tuple]) -> list[torch.Tensor] | None:
+        """One step over several sequences, items (kv, token_id, position): each one's logits, the
+        same numbers as its own step; None when some KV cannot run it."""
+
+    def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
+        """Tokens at start.. over `kv` (a plain chunk, as __call__ below): the last one's logits, or None."""
+
 
 class Forward:
     """Runs new tokens over a sequence's KV and returns last-position logits.
 
-    `fast_decode` (optional; native/decoder.py) takes single-token steps of one sequence."""
+    `fast_decode` (optional; native/decoder.py) takes plain steps: a token or a chunk of one
+    sequence, a token of each of several; any step it cannot run takes the layer loop."""
 
     def __init__(self, adapter: ModelAdapter, fast_decode: FastDecode | None = None):
         self.adapter = adapter
@@ -57,8 +65,11 @@ class Forward:
     @torch.inference_mode()
     def __call__(self, kv, token_ids: list[int], start: int) -> torch.Tensor:
         """Compute KV for `token_ids` at positions start.. and return logits [vocab] (fp32)."""
-        if self.fast_decode is not None and len(token_ids) == 1:
-            logits = self.fast_decode(kv, token_ids[0], start)
+        if self.fast_decode is not None:
+            if len(token_ids) == 1:
+                logits = self.fast_decode(kv, token_ids[0], start)
+            else:
+                logits = self.fast_decode.prefill(kv, token_ids, start)
             if logits is not None:
                 return logits
         a = self.adapter
@@ -115,15 +126,25 @@ class Forward:
         """One forward over several sequences: items are (kv, token_ids, start); returns the logits
         [vocab] (fp32) after each item's last token where `want_logits`, else None. The weights are
         read once for all of them; each sequence attends over its own KV. A single item takes the
-        single-sequence path (the same numbers as before batching), and so do up to
-        `fast_decode.batch_limit` decoding sequences, one fast step each."""
+        single-sequence path (the same numbers as before batching), and up to
+        `fast_decode.batch_limit` sequences the fast step (decoding ones in one step together)."""
         if len(items) == 1:
             kv, token_ids, start = items[0]
             return [self(kv, token_ids, start)]
         fast = self.fast_decode
         if (fast is not None and len(items) <= fast.batch_limit
-                and all(len(ids) == 1 and fast.accepts(kv, start) for kv, ids, start in items)):
-            logits = [fast(kv, ids[0], start) for kv, ids, start in items]
+                and all(fast.accepts(kv, start + len(ids) - 1) for kv, ids, start in items)):
+            # decoding sequences in one fast step, chunks one fast prefill each: every row's numbers
+            # as in its own step (the fast step is batch-invariant)
+            decoding = [i for i, (_, ids, _) in enumerate(items) if len(ids) == 1]
+            logits = [None] * len(items)
+            if decoding:
+                rows = fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in decoding])
+                for i, out in zip(decoding, rows):
+                    logits[i] = out
+            for i, (kv, ids, start) in enumerate(items):
+                if len(ids) > 1:
+                    logits[i] = fast.prefill(kv, ids, start)
             return [out if want else None for out, want in zip(logits, want_logits)]
         a = self.adapter
         rows, steps, positions, lo = [], [], [], 0

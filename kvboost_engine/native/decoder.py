@@ -1,13 +1,18 @@
-"""The native decode step (decode.cpp), for float32 models and models converted with weights="int4".
+"""The native step (decode.cpp), for float32 models, models converted with weights="int4", and
+PackedLinear models.
 
-A decode step of one sequence (one new token over its KV) is one call into native code, which
-runs every layer: no PyTorch op per norm, projection or attention. Weights are repacked at load
-from the converted modules (weights/formats.py) into tiles of 16 rows x 32 columns, the layout
-the kernel reads (`pack_codes`): the same codes and scales as the int4 layers and the int8 head,
-so the step computes with the same weights; the activations are quantized to int8 per block of
-32 for the integer dot products, and the 8 best logits are recomputed in float from the float
-activations (as the PyTorch path does). Prefill, batched steps and everything else stay on the
-PyTorch path; a step whose KV is not addressable by slot (blocks spilled to disk) too.
+A step is one call into native code over M rows, which runs every layer: no PyTorch op per norm,
+projection or attention. A row is one token of a sequence over that sequence's KV: a decode step
+of one sequence (`__call__`), of several together (`decode_rows`), or a prompt chunk of one
+(`prefill`, every row's K and V written before each row attends up to its own position). Each
+row's arithmetic is the same whatever shares the step, so batched decode gives the same numbers as
+serial steps and a prompt the same numbers in any chunking. Weights are repacked at load from the
+converted int4 modules (weights/formats.py) into tiles of 16 rows x 32 columns, the layout the
+kernel reads (`pack_codes`): the same codes and scales as the int4 layers and the int8 head, so the
+step computes with the same weights; the activations are quantized to int8 per block of 32 for the
+integer dot products, and the 8 best logits are recomputed in float from the float activations (as
+the PyTorch path does). Everything else (scattered recompute, probes) stays on the PyTorch path; a
+step whose KV is not addressable by slot (blocks spilled to disk) too.
 
 A float32 model keeps its own weights: the step reads the model's float matrices in place (no
 copy) with float activations, the same arithmetic as the PyTorch step up to the order of additions
