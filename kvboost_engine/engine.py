@@ -99,11 +99,12 @@ class Engine:
         "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
         `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
 
-        `weights` picks a fast CPU weight format for a float model: None or "fp32" (default: the
-        weights as stored, exact), "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head).
-        The linear layers are converted on the first load and cached on disk (under the kvboost
-        cache dir, keyed by the model fingerprint); later loads read the converted file.
-        Quantized formats change the numbers (the README gives their measured perplexity).
+        `weights`: None keeps the weights as stored: the default model and a .gguf on CPU in float32
+        run the GGUF's own 4/8-bit numbers (repacked once into the native layout, mapped; no float
+        copy); "gguf" asks for that, also for a named model; "fp32" dequantizes a GGUF to float32.
+        From float: "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head); int4/int8 are
+        converted tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats
+        change the numbers (the README gives their measured perplexity).
         """
         config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -111,7 +112,7 @@ class Engine:
         if config.kv_pool_bytes is not None:                # refuse before loading the weights
             check_fits_device(config.kv_pool_bytes, torch.device(config.kv_device) if config.kv_device else device)
         check_weights_format(weights, dtype, device)            # a bad value fails before any loading
-        source = resolve_model_dir(model, weights)
+        source = resolve_model_dir(model, weights, as_stored=device.type == "cpu" and dtype == torch.float32)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
             stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel, weights=weights)

@@ -26,6 +26,7 @@ from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 from .named_models import NamedModel, fetch_gguf, named_model
 from .model import compat
 from .model.building import building_model
+from .progress import Stages
 from .paths import build_lock, cache_home
 from .weights.gguf_model import DIRECT_ARCHITECTURES, is_packed_dir, load_packed, packed_gguf_dir
 
@@ -41,12 +42,15 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
 
-def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None) -> Path | str:
-    """A local HF directory for `model`, converting GGUF as needed, or a hub id string. A .gguf (or the
-    default model with weights="gguf") is loaded as stored, repacked once (weights/gguf_model.py),
-    unless `weights` asks for a float model ("fp32", or "bf16"/"int8"/"int4" converted from float)."""
+def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None,
+                      as_stored: bool = True) -> Path | str:
+    """A local HF directory for `model`, converting GGUF as needed, or a hub id string. The default
+    model and a .gguf are loaded as stored, repacked once (weights/gguf_model.py), unless `weights`
+    asks for a float model ("fp32", or "bf16"/"int8"/"int4" converted from float) or `as_stored` is
+    False (a float dtype other than float32, or a GPU); a named model with weights="gguf"."""
+    stored = weights == "gguf" or (weights is None and as_stored)
     if model is None:
-        return packed_gguf_dir(default_gguf_file()) if weights == "gguf" else default_model_dir()
+        return packed_gguf_dir(default_gguf_file()) if stored else default_model_dir()
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -54,16 +58,16 @@ def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = Non
             raise InputError(f"weights='gguf' is for a .gguf file; {path} is a directory")
         return _hf_dir(path, "model")
     if path.is_file() and path.suffix == ".gguf":
-        if weights in (None, "gguf") and (weights == "gguf" or gguf_architecture(path) in DIRECT_ARCHITECTURES):
+        if stored and (weights == "gguf" or gguf_architecture(path) in DIRECT_ARCHITECTURES):
             return packed_gguf_dir(path)
         return converted_gguf_dir(path)
-    if weights == "gguf":
-        raise InputError(f"weights='gguf' is for a .gguf file or the default model, not {text!r}")
+    named = named_model(text)
+    if weights == "gguf" and named is None:
+        raise InputError(f"weights='gguf' is for a .gguf file, a named model or the default, not {text!r}")
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither an HF model directory nor a .gguf file")
-    named = named_model(text)
     if named is not None:
-        return named_model_dir(named)
+        return packed_gguf_dir(named_gguf_file(named)) if weights == "gguf" else named_model_dir(named)
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
         return text
     raise ModelNotFoundError(f"model path {text!r} does not exist")
@@ -97,6 +101,16 @@ def _converted_once(name: str, gguf_in) -> Path:
         if not (target / _COMPLETE).exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 _convert_gguf(gguf_in(Path(tmp)), target)
+    return target
+
+
+def named_gguf_file(model: NamedModel) -> Path:
+    """A named model's GGUF file, assembled once into the kvboost cache dir."""
+    target = cache_home() / "models" / model.gguf_name
+    if not target.is_file():
+        with build_lock(target):
+            if not target.is_file():
+                fetch_gguf(model, target.parent)
     return target
 
 
@@ -196,7 +210,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
     folder, name = str(gguf_path.parent), gguf_path.name
-    with _Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
+    with Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         stages.done("tokenizer read")
         with building_model():
@@ -221,24 +235,6 @@ def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-class _Stages:
-    """A progress bar over the steps of a one-time job, on stderr (transformers' own bars nest inside)."""
-
-    def __init__(self, title: str, steps: int):
-        from tqdm import tqdm
-        self.bar = tqdm(total=steps, desc=title, unit="step", file=sys.stderr, leave=True)
-
-    def done(self, what: str) -> None:
-        self.bar.set_postfix_str(what, refresh=False)
-        self.bar.update(1)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.bar.close()
 
 
 def hub_model_dir(model_id: str) -> Path:
