@@ -20,6 +20,7 @@ from torch import nn
 
 TILE, BLOCK = 16, 32                # rows per tile, columns per block (one d and one m per row and block)
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORWARD_SLICE = 1 << 23         # weight values decoded to float at once by the PyTorch path (32 MB)
 
 
 def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
@@ -73,21 +74,35 @@ class PackedLinear(nn.Module):
         self.register_buffer("m", m)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
-    def dequantized(self, rows: slice | None = None) -> torch.Tensor:
-        """The weight as float32 [N, K] (exactly code * d + m: an fp16/fp32 product and sum)."""
-        n, k = self.out_features, self.in_features
-        codes = unpack_codes(self.codes, n, k, self.bits).view(n, k // BLOCK, BLOCK)
-        d = unpack_scales(self.d, n, k)[..., None]
-        m = unpack_scales(self.m, n, k)[..., None]
+    def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d + m
+        (an fp16/fp32 product and sum)."""
+        k, end = self.in_features, self.out_features if end is None else end
+        tiles = self.out_features // TILE
+        n, t0, t1 = end - first, first // TILE, end // TILE
+        codes = unpack_codes(self.codes.view(tiles, -1)[t0:t1].reshape(-1), n, k, self.bits).view(n, k // BLOCK, BLOCK)
+        d = unpack_scales(self.d.view(tiles, -1)[t0:t1].reshape(-1), n, k)[..., None]
+        m = unpack_scales(self.m.view(tiles, -1)[t0:t1].reshape(-1), n, k)[..., None]
         return torch.addcmul(m, codes.float(), d).view(n, k)
 
     def float_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Weight rows `index` [T] as float32 [T, K]."""
-        return self.dequantized()[index]
+        return PackedEmbedding(self)(index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.float(), self.dequantized(), self.bias)
-        return out.to(x.dtype)
+        """x @ W.T + b in float32, the weight decoded a slice of rows at a time (at most
+        FORWARD_SLICE values in float at once: a large head never has a float copy)."""
+        flat = x.reshape(-1, self.in_features).float()
+        step = max(TILE, FORWARD_SLICE // self.in_features // TILE * TILE)
+        if step >= self.out_features:
+            out = F.linear(flat, self.dequantized(), self.bias)
+        else:
+            out = torch.empty(flat.shape[0], self.out_features)
+            for first in range(0, self.out_features, step):
+                end = min(first + step, self.out_features)
+                bias = None if self.bias is None else self.bias[first:end]
+                out[:, first:end] = F.linear(flat, self.dequantized(first, end), bias)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
