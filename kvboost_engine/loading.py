@@ -283,6 +283,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     from .weights.awq.format import awq_config_of
     from .weights.awq.loader import load_awq_model
     from .weights.hf_pack import load_hf_packed
+    from .weights.memory import check_fits, float_model_bytes
     from .weights.quantized import check_weights_format, convert_model
 
     fmt = check_weights_format(weights, dtype, device)
@@ -309,6 +310,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     packed = load_hf_packed(source, fmt, config, tokenizer, device, dtype)   # int4/int8: no float copy
     if packed is not None:
         return packed, tokenizer
+    if device.type == "cpu":
+        check_fits(float_model_bytes(source, config, dtype), f"{source.name} in {dtype}")
     with building_model():          # transformers' build swaps process-wide state (model/building.py)
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype).to(device).eval()
     if fmt is not None:

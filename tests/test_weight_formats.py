@@ -190,3 +190,13 @@ def test_int_formats_convert_tensor_by_tensor_and_reload_without_the_float_file(
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_a_load_that_cannot_fit_is_refused_up_front_with_the_figures(tiny_dir, monkeypatch):
+    from kvboost_engine.errors import BudgetError
+    from kvboost_engine.weights import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(BudgetError, match=r"needs 0\.\d\d GiB but the memory available .* is 0\.00 GiB"):
+        load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32)
+    with pytest.raises(BudgetError, match="weights='int4'"):
+        load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int4")

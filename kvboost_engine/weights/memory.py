@@ -82,3 +82,15 @@ def weight_memory(model) -> dict:
         else:
             resident += size
     return {"weights_resident_bytes": resident, "weights_mapped_bytes": mapped}
+
+
+def float_model_bytes(source, config, dtype) -> int:
+    """Bytes a float model of the checkpoint in `source` takes in `dtype`: its safetensors files
+    scaled from the stored float width (config.dtype / torch_dtype, else float32)."""
+    import torch
+    from pathlib import Path
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, torch.float32)
+    files = sum(f.stat().st_size for f in Path(source).glob("*.safetensors"))
+    return files * torch.empty(0, dtype=dtype).element_size() // torch.empty(0, dtype=stored).element_size()
