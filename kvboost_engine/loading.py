@@ -49,8 +49,9 @@ def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = Non
     asks for a float model ("fp32", or "bf16"/"int8"/"int4" converted from float) or `as_stored` is
     False (a float dtype other than float32, or a GPU); a named model with weights="gguf"."""
     stored = weights == "gguf" or (weights is None and as_stored)
-    if model is None:
-        return packed_gguf_dir(default_gguf_file()) if stored else default_model_dir()
+    if model is None:                   # KVBOOST_DEFAULT_MODEL: an HF directory, loaded as it is
+        as_gguf = stored and not (weights is None and os.environ.get("KVBOOST_DEFAULT_MODEL"))
+        return packed_gguf_dir(default_gguf_file()) if as_gguf else default_model_dir()
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
