@@ -26,9 +26,10 @@ from pathlib import Path
 import xxhash
 
 from ..paths import build_lock, cache_home
+from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 4
+ABI_VERSION = 5
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512dq", "-mavx512vnni", "-mfma")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma")
@@ -93,6 +94,9 @@ def _build_and_open() -> tuple[object | None, str | None]:
     if lib.kvb_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.kvb_abi_version()}, expected {ABI_VERSION}"
     _declare(lib)
+    structs = (abi.MatArgs, abi.LayerArgs, abi.ModelArgs, abi.Row)
+    if [lib.kvb_struct_size(i) for i in range(4)] != [ctypes.sizeof(s) for s in structs]:
+        return None, f"{path}: the C structures' sizes differ from native/abi.py's"
     return lib, None
 
 
@@ -112,8 +116,10 @@ def _compile(cxx: str, path: Path) -> None:
 def _declare(lib) -> None:
     p = ctypes.c_void_p
     lib.kvb_decoder_new.restype = p
-    lib.kvb_decoder_new.argtypes = [p, ctypes.c_float, ctypes.c_float, p, p, p, p, p]
+    lib.kvb_decoder_new.argtypes = [p]
     lib.kvb_decoder_rows.restype = None
     lib.kvb_decoder_rows.argtypes = [p, ctypes.c_int, p, p, p]
+    lib.kvb_struct_size.restype = ctypes.c_int64
+    lib.kvb_struct_size.argtypes = [ctypes.c_int]
     lib.kvb_decoder_free.restype = None
     lib.kvb_decoder_free.argtypes = [p]

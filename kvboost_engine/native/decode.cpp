@@ -686,51 +686,68 @@ struct Decoder {
   }
 };
 
-constexpr int MAT_DIMS = 5;  // rows, cols, bits, d type, m type (ScaleType)
+// The interface's structures (native/abi.py mirrors them field for field).
+struct MatArgs {             // one matrix (QMat); rows 0: absent (stacked into the matrix before it)
+  const void* codes;
+  const void* d;
+  const void* m;
+  const float* bias;
+  int32_t rows, cols, bits, d_type, m_type, unused;
+};
 
-QMat qmat(const void* const* p, const int* dims) {
-  return QMat{static_cast<const uint8_t*>(p[0]), p[1], p[2], static_cast<const float*>(p[3]),
-              dims[0], dims[1], dims[2], dims[3], dims[4]};
+struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v are absent; gate holds up
+  const float* in_norm;
+  const float* post_norm;
+  MatArgs q, k, v, o, gate, up, down;
+  int64_t window;            // 0: full attention
+};
+
+struct ModelArgs {
+  int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, unused;
+  float eps, scaling;
+  const LayerArgs* stack;    // [layers]
+  const float* final_norm;
+  MatArgs head;
+};
+
+QMat qmat(const MatArgs& a) {
+  return QMat{static_cast<const uint8_t*>(a.codes), a.d, a.m, a.bias, a.rows, a.cols, a.bits, a.d_type, a.m_type};
 }
 
 }  // namespace
 
 extern "C" {
 
-int kvb_abi_version() { return 4; }
+int kvb_abi_version() { return 5; }
 
-// sizes: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, exact_top, threads
-// layer_ptrs: per layer 2 norms then 7 matrices (q, k, v, o, gate, up, down) x (codes, d, m, bias) = 30;
-// a matrix of 0 rows is absent (stacked into the one before it: q holds q, k, v; gate holds gate, up)
-// layer_dims: per layer 7 matrices x (rows, cols, bits, d type, m type) = 35 (types: 0 bf16, 1 fp16, 2 fp32;
-// m is fp16 or fp32); windows: per layer (0 = full)
-// head_ptrs: final norm, then head (codes, d, m, bias); head_dims: rows, cols, bits, d type, m type
-void* kvb_decoder_new(const int* sizes, float eps, float scaling, const void* const* layer_ptrs,
-                      const int* layer_dims, const int* windows, const void* const* head_ptrs, const int* head_dims) {
-  auto* dec = new Decoder(sizes[8]);
-  dec->layers = sizes[0]; dec->hidden = sizes[1]; dec->heads = sizes[2]; dec->kv_heads = sizes[3];
-  dec->head_dim = sizes[4]; dec->inter = sizes[5]; dec->vocab = sizes[6]; dec->exact_top = sizes[7];
-  dec->eps = eps; dec->scaling = scaling;
+// sizeof MatArgs, LayerArgs, ModelArgs, Row (which 0..3): the loader checks abi.py lays them out alike
+int64_t kvb_struct_size(int which) {
+  const int64_t sizes[] = {sizeof(MatArgs), sizeof(LayerArgs), sizeof(ModelArgs), sizeof(Row)};
+  return which >= 0 && which < 4 ? sizes[which] : -1;
+}
+
+void* kvb_decoder_new(const ModelArgs* args) {
+  auto* dec = new Decoder(args->threads);
+  dec->layers = args->layers; dec->hidden = args->hidden; dec->heads = args->heads; dec->kv_heads = args->kv_heads;
+  dec->head_dim = args->head_dim; dec->inter = args->inter; dec->vocab = args->vocab; dec->exact_top = args->exact_top;
+  dec->eps = args->eps; dec->scaling = args->scaling;
   for (int l = 0; l < dec->layers; ++l) {
-    const void* const* p = layer_ptrs + l * 30;
-    const int* d = layer_dims + l * 7 * MAT_DIMS;
+    const LayerArgs& a = args->stack[l];
     Layer L;
-    L.in_norm = static_cast<const float*>(p[0]);
-    L.post_norm = static_cast<const float*>(p[1]);
-    for (int i = 0; i < 7; ++i) {
-      QMat m = qmat(p + 2 + 4 * i, d + MAT_DIMS * i);
-      if (m.rows == 0) continue;
-      if (m.bits != 32) dec->quantized = true;
-      if (i < 3) L.qkv.push_back(m);
-      else if (i == 3) L.o = m;
-      else if (i < 6) L.gate_up.push_back(m);
-      else L.down = m;
-    }
-    L.window = windows[l];
+    L.in_norm = a.in_norm;
+    L.post_norm = a.post_norm;
+    for (const MatArgs* part : {&a.q, &a.k, &a.v}) if (part->rows) L.qkv.push_back(qmat(*part));
+    for (const MatArgs* part : {&a.gate, &a.up}) if (part->rows) L.gate_up.push_back(qmat(*part));
+    L.o = qmat(a.o);
+    L.down = qmat(a.down);
+    for (const QMat& m : {L.o, L.down}) if (m.bits != 32) dec->quantized = true;
+    for (const QMat& m : L.qkv) if (m.bits != 32) dec->quantized = true;
+    for (const QMat& m : L.gate_up) if (m.bits != 32) dec->quantized = true;
+    L.window = static_cast<int>(a.window);
     dec->stack.push_back(L);
   }
-  dec->final_norm = static_cast<const float*>(head_ptrs[0]);
-  dec->head = qmat(head_ptrs + 1, head_dims);
+  dec->final_norm = args->final_norm;
+  dec->head = qmat(args->head);
   if (dec->head.bits != 32) dec->quantized = true;
   if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;

@@ -34,7 +34,7 @@ import torch
 from ..model.arch import ModelAdapter
 from ..weights.formats import INT4_GROUP, Int4Linear, Int8Linear, unpack_int4
 from ..weights.packed import PackedLinear, pack_codes
-from . import build
+from . import abi, build
 
 TILE, BLOCK = 16, 32
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
@@ -83,19 +83,12 @@ def weights_kind(adapter: ModelAdapter) -> str | None:
 
 
 ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
-SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
 
 
 def _packed(module: PackedLinear) -> dict:
     """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy)."""
     return {"codes": module.codes, "d": module.d, "m": module.m, "bias": module.bias,
             "dims": (module.out_features, module.in_features, module.bits)}
-
-
-def _mat_dims(mat: dict) -> list[int]:
-    """rows, cols, bits, d type, m type (decode.cpp MAT_DIMS)."""
-    types = [SCALE_TYPES[mat[key].dtype] if mat.get(key) is not None else 2 for key in ("d", "m")]
-    return [*mat["dims"], *types]
 
 
 def _float(module: torch.nn.Linear) -> dict:
@@ -141,10 +134,9 @@ class NativeDecoder:
         # Sequences decoding together: up to this many take one native step over all of them (one
         # row each, each row's numbers the same as its step alone); more take the PyTorch batch.
         self.batch_limit = 64
-        layer_ptrs, layer_dims = [], []
         parts = [adapter.layer_parts(i) for i in range(len(adapter.layers))]
-        for layer in parts:
-            norms = [self._hold(layer.input_norm.float()), self._hold(layer.post_norm.float())]
+        stack = (abi.LayerArgs * len(parts))()
+        for layer, args, window in zip(parts, stack, adapter.layer_windows):
             if self.kind == "int4":
                 q, k, v, o, gate, up, down = layer.linears
                 mats = [_joined([q, k, v], 4), ABSENT, ABSENT, _joined([o], 4), _joined([gate, up], 4), ABSENT,
@@ -153,19 +145,17 @@ class NativeDecoder:
                 mats = [_packed(m) for m in layer.linears]
             else:
                 mats = [_float(m) for m in layer.linears]
-            layer_ptrs += norms + [p for mat in mats for p in self._mat_ptrs(mat)]
-            layer_dims += [v for mat in mats for v in _mat_dims(mat)]
+            args.in_norm, args.post_norm = self._hold(layer.input_norm.float()), self._hold(layer.post_norm.float())
+            for name, mat in zip(abi.MATRICES, mats):
+                setattr(args, name, abi.mat_args(mat, self._hold))
+            args.window = window or 0
         head = {"int4": lambda h: _joined([h], 8), "packed": _packed, "float": _float}[self.kind](adapter.lm_head)
-        head_ptrs = [self._hold(plain.final_norm.float())] + self._mat_ptrs(head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
-        sizes = [len(adapter.layers), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
-                 self.vocab, self.exact_top, threads]
-        windows = [w or 0 for w in adapter.layer_windows]
-        scaling = parts[0].scaling
-        self._handle = lib.kvb_decoder_new(
-            _ints(sizes), plain.rms_norm_eps, scaling, _ptrs(layer_ptrs), _ints(layer_dims), _ints(windows),
-            _ptrs(head_ptrs), _ints(_mat_dims(head)))
+        model = abi.ModelArgs(len(parts), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
+                              self.vocab, self.exact_top, threads, 0, plain.rms_norm_eps, parts[0].scaling, stack,
+                              self._hold(plain.final_norm.float()), abi.mat_args(head, self._hold))
+        self._handle = lib.kvb_decoder_new(ctypes.byref(model))
         self.threads = threads
         rope = str(adapter.rope_settings().get("rope_type", "default"))
         self._static_rope = rope in STATIC_ROPE
@@ -176,9 +166,6 @@ class NativeDecoder:
         tensor = tensor.detach().contiguous()
         self._keep.append(tensor)
         return tensor.data_ptr()
-
-    def _mat_ptrs(self, mat: dict) -> list[int]:
-        return [self._hold(mat[key]) if mat.get(key) is not None else 0 for key in ("codes", "d", "m", "bias")]
 
     def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [head_dim] at `position`, from the model's own rotary module."""
@@ -205,21 +192,21 @@ class NativeDecoder:
         """Whether a step at `position` can run on this KV (else the PyTorch path must)."""
         return self._view(kv, position) is not None
 
-    def _row(self, view, position: int, want: bool, keep: list) -> "_Row":
+    def _row(self, view, position: int, want: bool, keep: list) -> abi.Row:
         ram, slots = view
         strides = self._strides.get(ram.stride())
         if strides is None:
             strides = self._strides[ram.stride()] = _longs(ram.stride()[:4])
         cos, sin = self._rotary(position)
         keep += (cos, sin)
-        return _Row(ram.data_ptr(), ctypes.addressof(strides), slots.data_ptr(), position, cos.data_ptr(),
+        return abi.Row(ram.data_ptr(), ctypes.addressof(strides), slots.data_ptr(), position, cos.data_ptr(),
                     sin.data_ptr(), int(want))
 
     def _step(self, rows: list[tuple], token_ids: list[int]) -> torch.Tensor:
         """One native step: rows (KV view, position, logits wanted) with their tokens -> the wanted
         rows' logits [wanted, vocab]; every row's K and V are written before any row attends."""
         keep: list = []
-        array = (_Row * len(rows))(*(self._row(view, p, want, keep) for view, p, want in rows))
+        array = (abi.Row * len(rows))(*(self._row(view, p, want, keep) for view, p, want in rows))
         x = self.adapter.embed(torch.tensor([token_ids])).float().contiguous()
         logits = torch.empty(sum(bool(want) for *_, want in rows), self.vocab, dtype=torch.float32)
         self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
@@ -278,19 +265,5 @@ def native_decoder(adapter: ModelAdapter, threads: int | None = None) -> tuple[N
     return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
 
 
-class _Row(ctypes.Structure):
-    """decode.cpp Row: one token of a step."""
-    _fields_ = [("kv", ctypes.c_void_p), ("st", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("pos", ctypes.c_int64),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("want", ctypes.c_int64)]
-
-
-def _ints(values) -> ctypes.Array:
-    return (ctypes.c_int * len(values))(*values)
-
-
 def _longs(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
-
-
-def _ptrs(values) -> ctypes.Array:
-    return (ctypes.c_void_p * len(values))(*values)

@@ -1,0 +1,48 @@
+"""The C structures of decode.cpp's interface, field for field (ctypes lays them out as the C
+compiler does): a model is a ModelArgs holding one LayerArgs per layer, each holding its matrices as
+MatArgs; a step is an array of Row. Pointers are raw addresses of tensors the caller keeps alive."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class MatArgs(ctypes.Structure):
+    """One weight matrix: codes (4- or 8-bit tiles, or float32 rows when bits is 32), per-row-block
+    scale d and offset m (d_type / m_type: ScaleType), bias or null. rows 0: absent (stacked into
+    the matrix before it)."""
+    _fields_ = [("codes", P), ("d", P), ("m", P), ("bias", P),
+                ("rows", I32), ("cols", I32), ("bits", I32), ("d_type", I32), ("m_type", I32), ("unused", I32)]
+
+
+class LayerArgs(ctypes.Structure):
+    """One decoder layer: its two RMSNorm weights, seven matrices, sliding window (0: none)."""
+    _fields_ = [("in_norm", P), ("post_norm", P), *((name, MatArgs) for name in MATRICES), ("window", I64)]
+
+
+class ModelArgs(ctypes.Structure):
+    """The whole model: sizes, norm epsilon and attention scaling, the layers, final norm and head."""
+    _fields_ = [("layers", I32), ("hidden", I32), ("heads", I32), ("kv_heads", I32), ("head_dim", I32),
+                ("inter", I32), ("vocab", I32), ("exact_top", I32), ("threads", I32), ("unused", I32),
+                ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
+                ("stack", ctypes.POINTER(LayerArgs)), ("final_norm", P), ("head", MatArgs)]
+
+
+class Row(ctypes.Structure):
+    """One token of a step: its sequence's KV ([2, layers, kv_heads, slots, head_dim]-shaped with
+    element strides st [4]), slot of every position, its position, rotary cos / sin at it, and
+    whether its logits are wanted."""
+    _fields_ = [("kv", P), ("st", P), ("slots", P), ("pos", I64), ("cos", P), ("sin", P), ("want", I64)]
+
+
+def mat_args(mat: dict, hold) -> MatArgs:
+    """A matrix as decoder.py describes it ({"codes", "d", "m", "bias", "dims": (rows, cols, bits)};
+    hold(tensor) -> its address, kept alive)."""
+    ptrs = [hold(mat[key]) if mat.get(key) is not None else 0 for key in ("codes", "d", "m", "bias")]
+    types = [SCALE_TYPES[mat[key].dtype] if mat.get(key) is not None else 2 for key in ("d", "m")]
+    return MatArgs(*ptrs, *mat["dims"], *types, 0)
