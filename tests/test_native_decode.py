@@ -264,8 +264,8 @@ def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
 
 @needs_cpu
 def test_int4_requests_decoding_together_match_each_alone():
-    """Up to batch_limit int4 sequences decoding together take one native step each (faster than
-    one batched PyTorch step there): the same tokens as each request alone."""
+    """Up to batch_limit int4 sequences decoding together take one native step over all of them,
+    each row's arithmetic that of its step alone: the same tokens as each request alone."""
     engine = Engine.from_pretrained(weights="int4", cache_bytes=0)
     assert engine.stats()["native_decode"] is True
     serial, together = serial_and_together(engine)
