@@ -99,9 +99,9 @@ class Engine:
         "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
         `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
 
-        `weights`: None keeps the weights as stored: the default model and a .gguf on CPU in float32
-        run the GGUF's own 4/8-bit numbers (repacked once into the native layout, mapped; no float
-        copy); "gguf" asks for that, also for a named model; "fp32" dequantizes a GGUF to float32.
+        `weights`: None keeps the weights as stored: a .gguf on CPU in float32 runs its own 4/8-bit
+        numbers (repacked once into the native layout, mapped; no float copy); "gguf" asks for that
+        for the default and named models too (they default to exact float32); "fp32" dequantizes.
         From float: "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head); int4/int8 are
         converted tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats
         change the numbers (the README gives their measured perplexity).

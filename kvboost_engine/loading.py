@@ -44,14 +44,13 @@ _COMPLETE = ".kvboost-complete"
 
 def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None,
                       as_stored: bool = True) -> Path | str:
-    """A local HF directory for `model`, converting GGUF as needed, or a hub id string. The default
-    model and a .gguf are loaded as stored, repacked once (weights/gguf_model.py), unless `weights`
-    asks for a float model ("fp32", or "bf16"/"int8"/"int4" converted from float) or `as_stored` is
-    False (a float dtype other than float32, or a GPU); a named model with weights="gguf"."""
+    """A local HF directory for `model`, converting GGUF as needed, or a hub id string. A .gguf is
+    loaded as stored, repacked once (weights/gguf_model.py), unless `weights` asks for a float model
+    ("fp32", or "bf16"/"int8"/"int4" converted from float) or `as_stored` is False (a dtype other
+    than float32, or a GPU); the default and named models with weights="gguf"."""
     stored = weights == "gguf" or (weights is None and as_stored)
-    if model is None:                   # KVBOOST_DEFAULT_MODEL: an HF directory, loaded as it is
-        as_gguf = stored and not (weights is None and os.environ.get("KVBOOST_DEFAULT_MODEL"))
-        return packed_gguf_dir(default_gguf_file()) if as_gguf else default_model_dir()
+    if model is None:                   # exact float32 unless weights="gguf" (benchmarks/micro/default_weights.py)
+        return packed_gguf_dir(default_gguf_file()) if weights == "gguf" else default_model_dir()
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
