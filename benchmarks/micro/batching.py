@@ -1,19 +1,37 @@
 """Continuous batching: throughput and latency of concurrent chats, side by side with transformers'
-own continuous batching, a short request during a long prefill, and KV blocks at 16 concurrent.
+own continuous batching and llama.cpp's llama-batched-bench, a short request during a long prefill,
+and KV blocks at 16 concurrent.
+
+Weights (--weights, a comma list; default fp32,int4): fp32 (the exact float32 default model), int4
+(weights="int4"), and with --gguf PATH also that GGUF as stored ("gguf"). levels and unshared run for
+each; transformers, prefill and memory once, on the first; llama once.
 
 Sections:
   levels      1, 2, 4, 8, 16 concurrent chats (distinct questions over one ~1k-token system prompt,
-              64 new tokens each, greedy, the system prompt warmed once): aggregate decode tokens/s,
-              p50/p99 per-token latency, speed-up over serial (the same chats one after another),
-              greedy outputs identical to serial; the bound from the weight-read time; then the
-              speed-up at 8 again, each wave right after its own serial baseline, 3 times.
+              64 new tokens each, greedy, the system prompt warmed once): aggregate tokens/s (wall,
+              and decode_tok_s: sequences / mean gap between tokens), p50/p99 per-token latency,
+              speed-up over serial (the same chats one after another), greedy outputs identical to
+              serial; the decode step at 1 row and at 8 (ForwardEvents) and the bound for a step of
+              8 rows (weight-read time; fp32: also the weight products on 8 rows); then the speed-up
+              at 8 again, each wave right after its own serial baseline, 3 times.
+  unshared    8 concurrent chats with nothing shared: 8 different ~1k-token system prompts (each
+              warmed, so both sides prefill only the question), each sequence reading its own KV:
+              speed-up over serial, paired as above, greedy identical to serial.
+  llama       llama-batched-bench on the default model's Q4_0 GGUF (or --gguf): -c 4096 -b 512 -ub 512
+              -npp 400 -ntg 48 -npl 1,8 -t 2, with -pps (the prompt shared) and without: speed_tg
+              (decode tok/s, all sequences), speed_pp and speed (all tokens / all time) at 1 and 8.
   transformers the same 8 chats through transformers' generate_batch (paged, block sharing on) vs
               ours: wall time, throughput and TTFT; then the same prompts again (a second wave).
   prefill     a short request arriving during a ~4k-token prefill: its TTFT vs the long prefill's.
   memory      pool blocks in use at 16 concurrent chats over the system prompt vs 16 copies of it.
 
-Run alone on a quiet machine:
-  python -m benchmarks.micro.batching [--sections levels,transformers,prefill,memory] [--out benchmarks/results/batching.json]
+A summary table (per weights: shared and unshared speed-up at 8, aggregate at 8, greedy = serial,
+bounds; int4 at 8 against llama-batched-bench -npl 8) ends the output and the JSON.
+
+Run alone on a quiet machine (about 12 minutes on 2 cores for the defaults):
+  OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.batching [--weights fp32,int4] [--gguf PATH]
+      [--sections levels,unshared,transformers,prefill,memory,llama] [--out benchmarks/results/batching.json]
+Smoke: python -m benchmarks.micro.batching --smoke --sections levels,unshared,llama
 """
 from __future__ import annotations
 
@@ -29,6 +47,7 @@ import torch
 from kvboost_engine import Engine, ForwardEvent
 
 from .._common import environment, load_default
+from .batching_report import linear_s, llama_batched, load_weights, summary, summary_table, weight_read_s
 from .paged import long_text
 
 NEW_TOKENS = 64
@@ -39,6 +58,16 @@ QUESTIONS = [f"Question {i}: what does record {i * 7} say, and which hall is it 
 
 def chats(system: str, n: int) -> list[list[dict]]:
     return [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS[:n]]
+
+
+def distinct_text(k: int, tokens_wanted: int, tokenizer) -> str:
+    """A ~`tokens_wanted`-token text of its own for chat k: no chunk of it matches another k's."""
+    sentence = "Archive {k}, record {j}: the gauge in room {h} of wing {k} read {v} at dawn. "
+    text, i = "", 0
+    while len(tokenizer(text)["input_ids"]) < tokens_wanted:
+        text += "".join(sentence.format(k=k, j=j, h=(j * (k + 3)) % 17, v=(j * 41 + k) % 97) for j in range(i, i + 50))
+        i += 50
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens_wanted])
 
 
 def wave(engine: Engine, conversations: list, new_tokens: int = NEW_TOKENS) -> dict:
@@ -66,7 +95,8 @@ def wave(engine: Engine, conversations: list, new_tokens: int = NEW_TOKENS) -> d
         t.join()
     wall = time.perf_counter() - start
     tokens = sum(g.completion_tokens for g in out)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "gens": out,
+    decode = len(conversations) * len(gaps) / sum(gaps) if gaps else float("nan")
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "gens": out, "decode_tok_s": decode,
             "ttft_s": statistics.median(g.ttft_s for g in out), "gaps": gaps}
 
 
@@ -75,47 +105,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def weight_read_s(model) -> float:
-    """Seconds to stream every weight once from memory (the floor of one decode step)."""
-    params = [p for p in model.parameters()]
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for p in params:
-            p.sum()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def linear_s(model, rows: int) -> float:
-    """Seconds for every Linear layer of the model (lm_head included) on `rows` random input rows:
-    the weight products of one decode step of `rows` sequences."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-              for m in layers}
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(3):
-            start = time.perf_counter()
-            for m in layers:
-                m(inputs[m.in_features])
-            best = min(best, time.perf_counter() - start)
-    return best
-
-
-def paired_at_8(engine: Engine, system: str, pairs: int) -> dict:
-    """The speed-up at 8 concurrent measured against serial runs made right before each wave,
-    `pairs` times: the machine's speed drifts over a run (this 2-core VM by up to 20% within a
-    minute), and a serial baseline taken once, a minute before, carries that drift into the ratio."""
-    out = []
+def paired_at_8(engine: Engine, conversations: list, pairs: int) -> dict:
+    """The speed-up of the conversations at once measured against serial runs made right before
+    each wave, `pairs` times: the machine's speed drifts over a run (this 2-core VM by up to 20%
+    within a minute), and a serial baseline taken once, a minute before, carries that drift into
+    the ratio. greedy_same_as_serial: every wave's replies are the serial ones."""
+    out, same = [], True
     for _ in range(pairs):
-        serial = [wave(engine, [c]) for c in chats(system, 8)]
+        serial = [wave(engine, [c]) for c in conversations]
         serial_tok_s = sum(w["tokens"] for w in serial) / sum(w["wall_s"] for w in serial)
-        batched = wave(engine, chats(system, 8))
+        serial_decode = len(serial) / sum(1 / w["decode_tok_s"] for w in serial)     # 1 / mean gap
+        batched = wave(engine, conversations)
+        same = same and [g.token_ids for g in batched["gens"]] == [w["gens"][0].token_ids for w in serial]
         out.append({"serial_tok_s": round(serial_tok_s, 2), "batched_tok_s": round(batched["tok_s"], 2),
-                    "speedup": round(batched["tok_s"] / serial_tok_s, 2)})
+                    "speedup": round(batched["tok_s"] / serial_tok_s, 2),
+                    "serial_decode_tok_s": round(serial_decode, 2), "batched_decode_tok_s": round(batched["decode_tok_s"], 2),
+                    "decode_speedup": round(batched["decode_tok_s"] / serial_decode, 2)})
         print("paired", out[-1], flush=True)
-    return {"pairs": out, "median_speedup": statistics.median(p["speedup"] for p in out)}
+    return {"pairs": out, "median_speedup": statistics.median(p["speedup"] for p in out),
+            "median_decode_speedup": statistics.median(p["decode_speedup"] for p in out),
+            "greedy_same_as_serial": same}
 
 
 def section_levels(model, tokenizer) -> dict:
@@ -130,29 +139,52 @@ def section_levels(model, tokenizer) -> dict:
     with engine.instruments.subscribe(on):
         engine.chat(chats(system, 1)[0], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     step_1 = statistics.median(steps)
-    rows = []
+    rows, steps_8 = [], []
+    on_8 = lambda e: steps_8.append(e.seconds) if isinstance(e, ForwardEvent) and e.sequences == 8 == e.tokens else None
     for n in (1, 2, 4, 8, 16):
-        w = wave(engine, chats(system, n))
+        with engine.instruments.subscribe(on_8):
+            w = wave(engine, chats(system, n))
         same = [g.token_ids for g in w["gens"][:8]] == reference[:min(n, 8)]
         rows.append({"concurrent": n, "tok_s": round(w["tok_s"], 2), "speedup_vs_serial": round(w["tok_s"] / serial_tok_s, 2),
+                     "decode_tok_s": round(w["decode_tok_s"], 2),
                      "p50_token_ms": round(1000 * percentile(w["gaps"], 0.5), 1),
                      "p99_token_ms": round(1000 * percentile(w["gaps"], 0.99), 1),
                      "median_ttft_s": round(w["ttft_s"], 3), "greedy_same_as_serial": same})
         print(rows[-1], flush=True)
-    paired = paired_at_8(engine, system, PAIRS)
+    paired = paired_at_8(engine, chats(system, 8), PAIRS)
     read = weight_read_s(model)
-    linear_1, linear_8 = linear_s(model, 1), linear_s(model, 8)
     engine.close()
-    return {"serial_tok_s": round(serial_tok_s, 2), "decode_step_1_ms": round(1000 * step_1, 1),
-            "paired_at_8": paired,
-            "weight_read_ms": round(1000 * read, 1),
-            "bound_at_8": round(8 * step_1 / max(read, step_1 / 8), 2),
-            "linear_ms_1_row": round(1000 * linear_1, 1), "linear_ms_8_rows": round(1000 * linear_8, 1),
-            "bound_at_8_linear": round(8 * step_1 / (step_1 + linear_8 - linear_1), 2),
-            "note": "bound_at_8: 8 tokens per step if a step at 8 cost no more than reading the weights "
-                    "once (8 x step_1 / max(weight_read, step_1 / 8)); bound_at_8_linear: if a step at 8 "
-                    "cost a step at 1 plus only the extra time of the weight products on 8 rows "
-                    "(8 x step_1 / (step_1 + linear_8 - linear_1))", "rows": rows}
+    step_8 = statistics.median(steps_8) if steps_8 else float("nan")
+    out = {"serial_tok_s": round(serial_tok_s, 2), "decode_step_1_ms": round(1000 * step_1, 1),
+           "decode_step_8_ms": round(1000 * step_8, 1), "step_speedup_at_8": round(8 * step_1 / step_8, 2),
+           "paired_at_8": paired, "weight_read_ms": round(1000 * read, 1),
+           "bound_at_8": round(8 * step_1 / max(read, step_1 / 8), 2),
+           "note": "bound_at_8: 8 tokens per step if a step at 8 cost no more than reading the weights "
+                   "once (8 x step_1 / max(weight_read, step_1 / 8)); step_speedup_at_8: 8 x step_1 / "
+                   "the measured decode step of 8 sequences (what the step gives before scheduling); "
+                   "bound_at_8_linear (float weights only): if a step at 8 cost a step at 1 plus only "
+                   "the extra time of the weight products on 8 rows (8 x step_1 / (step_1 + linear_8 - linear_1))",
+           "rows": rows}
+    if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        linear_1, linear_8 = linear_s(model, 1), linear_s(model, 8)
+        out.update({"linear_ms_1_row": round(1000 * linear_1, 1), "linear_ms_8_rows": round(1000 * linear_8, 1),
+                    "bound_at_8_linear": round(8 * step_1 / (step_1 + linear_8 - linear_1), 2)})
+    return out
+
+
+def section_unshared(model, tokenizer) -> dict:
+    systems = [distinct_text(k, SYSTEM_TOKENS, tokenizer) for k in range(8)]
+    conversations = [[{"role": "system", "content": s}, {"role": "user", "content": q}]
+                     for s, q in zip(systems, QUESTIONS)]
+    engine = Engine(model, tokenizer)
+    for s in systems:
+        engine.warm([{"role": "system", "content": s}])
+    paired = paired_at_8(engine, conversations, PAIRS)
+    engine.close()
+    return {**paired, "system_tokens_each": SYSTEM_TOKENS,
+            "note": "8 chats, each over its own warmed ~1k-token system prompt: every sequence reads its "
+                    "own KV; speedup: wall tokens/s at once over serial; decode_speedup: sequences / mean gap "
+                    "between tokens at once over 1 / mean gap serially"}
 
 
 def section_transformers(model, tokenizer) -> dict:
@@ -227,28 +259,47 @@ def section_memory(model, tokenizer) -> dict:
             "per_chat_own_blocks": round((used - prompt_blocks) / 16, 1)}
 
 
-SECTIONS = {"levels": section_levels, "transformers": section_transformers, "prefill": section_prefill,
-            "memory": section_memory}
+SECTIONS = {"levels": section_levels, "unshared": section_unshared, "transformers": section_transformers,
+            "prefill": section_prefill, "memory": section_memory}
+PER_WEIGHTS = ("levels", "unshared")             # the others run on the first weights only
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join([*SECTIONS, "llama"]))
+    parser.add_argument("--weights", default="fp32,int4", help="comma list of fp32, int4")
+    parser.add_argument("--gguf", help="also this GGUF file as stored (weights 'gguf'); llama runs on it")
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench -t")
     parser.add_argument("--out", default="benchmarks/results/batching.json")
-    parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt")
+    parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt; "
+                        "llama-batched-bench on 16 prompt tokens and 4 new")
     args = parser.parse_args(argv)
     global NEW_TOKENS, SYSTEM_TOKENS, PAIRS
     if args.smoke:
         NEW_TOKENS, SYSTEM_TOKENS, PAIRS = 8, 100, 1
-    model, tokenizer = load_default()
-    result = {"environment": environment(model)}
-    for name in args.sections.split(","):
-        print(f"== {name}", flush=True)
-        with torch.inference_mode():
-            result[name] = SECTIONS[name](model, tokenizer)
+    names = [w for w in args.weights.split(",") if w] + (["gguf"] if args.gguf else [])
+    sections = args.sections.split(",")
+    result: dict = {"weights": names}
+    for index, name in enumerate(names):
+        wanted = [s for s in sections if s in SECTIONS and (s in PER_WEIGHTS or index == 0)]
+        if not wanted:
+            continue
+        model, tokenizer = load_default() if name == "fp32" else load_weights(name, args.gguf)
+        result.setdefault("environment", environment(model))
+        result[name] = {}
+        for section in wanted:
+            print(f"== {section} ({name})", flush=True)
+            with torch.inference_mode():
+                result[name][section] = SECTIONS[section](model, tokenizer)
+        del model
+    if "llama" in sections:
+        print("== llama", flush=True)
+        result["llama"] = llama_batched(args.gguf, args.llama_threads, args.smoke)
+    result["summary"] = summary(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=2))
+    print(summary_table(result["summary"]))
 
 
 if __name__ == "__main__":

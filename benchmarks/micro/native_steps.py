@@ -1,0 +1,197 @@
+"""Native steps (#29): our prefill and decode against llama.cpp's llama-bench, per model, at 0, 512 and
+4,096 tokens of context, same threads.
+
+Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads):
+  default  fp32    Engine.from_pretrained()                      (the exact float32 default model)
+           int4    Engine.from_pretrained(weights="int4")
+           q4_0    Engine.from_pretrained(<the default model's Q4_0 GGUF>)   (packed codes as stored)
+  1.7b     q4_0    Engine.from_pretrained(<the random SmolLM2-1.7B-shape Q4_0 GGUF>)
+Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked).
+
+Ours:
+  prefill_tok_s    a `--prefill-tokens` prompt (evaluation text) on an engine with cache_bytes=0 over the
+                   same model: prompt tokens / TTFT, median of `--repeats` after one warm-up
+  decode_tok_s@D   a prompt of D tokens (D=0: a one-line prompt), then `--decode-tokens` new tokens,
+                   greedy with min_new_tokens (EOS cannot stop it): (tokens - 1) / (time after the
+                   first token), median of `--repeats` (the first run, which also prefills the
+                   context cold, is a warm-up; later runs reuse its KV, which only the TTFT sees)
+llama.cpp (benchmarks/llama_tools.sh; the same file, same threads):
+  llama-bench -t T -p P -n 0 -r R -m FILE -o json              prefill at depth 0
+  llama-bench -t T -p 0 -n N -d D1,D2,.. -r R -m FILE -o json  decode at each depth (-d fills the
+                   context first, untimed); median of its R samples_ts, all samples kept
+
+Run alone (about 10 minutes on 2 cores, most of it the 1.7b model's 4,096-token contexts):
+  OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.native_steps [--model default,1.7b] [--depths 0,512,4096]
+Smoke: python -m benchmarks.micro.native_steps --smoke
+Results: benchmarks/results/native_steps.json (--out); a table of ours / llama.cpp is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..gguf_models import model_file, tools_dir
+from .gguf import PROMPT, _timed, _vm_kib
+
+CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",)}
+
+
+def context_ids(tokenizer, n: int) -> list[int]:
+    from kvboost_tools.awq.texts import evaluation_text
+    ids = tokenizer(evaluation_text())["input_ids"]
+    return (ids * (n // len(ids) + 1))[:n]             # the text again past its end (~3.2k tokens)
+
+
+# ---- ours, in a child process ----------------------------------------------------------------
+def load(model: str, config: str, cache: bool):
+    from kvboost_engine import Engine
+    options = {} if cache else {"cache_bytes": 0}
+    if config == "fp32":
+        return Engine.from_pretrained(**options)
+    if config == "int4":
+        return Engine.from_pretrained(weights="int4", **options)
+    return Engine.from_pretrained(str(model_file(model, config)), **options)
+
+
+def measure_ours(args) -> dict:
+    import torch
+
+    from kvboost_engine import Engine
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    engine = load(args.model, args.child, cache=True)
+    out = {"load_s": time.perf_counter() - started}
+    tokenizer = engine.tokenizer
+    cold = Engine(engine.model, tokenizer, cache_bytes=0)          # prefill: nothing reused
+    text = tokenizer.decode(context_ids(tokenizer, args.prefill_tokens))
+    runs = [cold.generate(text, max_new_tokens=1) for _ in range(args.repeats + 1)][1:]
+    out["prefill_tokens"] = runs[0].prompt_tokens
+    out["prefill_reused_tokens"] = max(g.reused_tokens for g in runs)
+    out["prefill_tok_s"] = runs[0].prompt_tokens / statistics.median(g.ttft_s for g in runs)
+    out["prefill_samples_tok_s"] = [g.prompt_tokens / g.ttft_s for g in runs]
+    cold.close()
+    n = args.decode_tokens
+    for depth in args.depth_list:
+        prompt = PROMPT if depth == 0 else tokenizer.decode(context_ids(tokenizer, depth))
+        gens = [engine.generate(prompt, max_new_tokens=n, min_new_tokens=n) for _ in range(args.repeats + 1)]
+        speeds = [(len(g.token_ids) - 1) / max(g.total_s - g.ttft_s, 1e-9) for g in gens]
+        out[f"decode_tok_s@{depth}"] = statistics.median(speeds[1:])
+        out[f"decode_samples_tok_s@{depth}"] = speeds
+        out[f"context_tokens@{depth}"] = gens[0].prompt_tokens
+        out[f"cold_ttft_s@{depth}"] = gens[0].ttft_s
+    stats = engine.stats()
+    out.update({k: v for k, v in stats.items() if k.startswith("native") or k == "weights_format"})
+    out["peak_rss_bytes"] = _vm_kib("VmHWM") * 1024
+    engine.close()
+    return out
+
+
+def run_ours(model: str, config: str, args) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.micro.native_steps", "--child", config, "--model", model,
+           "--threads", str(args.threads), "--repeats", str(args.repeats), "--depths", args.depths,
+           "--decode-tokens", str(args.decode_tokens), "--prefill-tokens", str(args.prefill_tokens)]
+    row = {"model": model, "config": config, "side": "ours", "load_average": os.getloadavg()}
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    if done.returncode != 0:
+        return {**row, "status": f"failed ({done.returncode}): " + " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]}
+    return {**row, **json.loads(done.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - started}
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+def llama_bench(path: Path, args, extra: list[str]) -> list[dict]:
+    cmd = [str(tools_dir() / "bin" / "llama-bench"), "-t", str(args.threads), "-r", str(args.llama_repeats),
+           "-m", str(path), "-o", "json", *extra]
+    out, _, _, _ = _timed(cmd)
+    return json.loads(out)
+
+
+def run_llama(model: str, args) -> dict:
+    path = model_file(model, "q4_0")
+    row = {"model": model, "config": "q4_0", "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg()}
+    started = time.perf_counter()
+    try:
+        tests = llama_bench(path, args, ["-p", str(args.prefill_tokens), "-n", "0"])
+        tests += llama_bench(path, args, ["-p", "0", "-n", str(args.decode_tokens), "-d", args.depths])
+    except RuntimeError as error:
+        return {**row, "status": str(error)}
+    for test in tests:
+        samples = test.get("samples_ts") or [test["avg_ts"]]
+        key = "prefill_tok_s" if test["n_prompt"] else f"decode_tok_s@{test.get('n_depth', 0)}"
+        row[key] = statistics.median(samples)
+        row[key.replace("tok_s", "samples_tok_s")] = samples
+    row.update({"bench_s": time.perf_counter() - started, "model_type": tests[0].get("model_type"),
+                "build_commit": tests[0].get("build_commit"), "cpu_info": tests[0].get("cpu_info")})
+    return row
+
+
+# ---- report ----------------------------------------------------------------------------------
+def table(rows: list[dict], depths: list[int]) -> str:
+    keys = ["prefill_tok_s"] + [f"decode_tok_s@{d}" for d in depths]
+    head = ["prefill"] + [f"decode @{d}" for d in depths]
+    lines = ["| model | config | side | " + " | ".join(f"{h} tok/s" for h in head) + " | " +
+             " | ".join(f"{h} / llama.cpp" for h in head) + " |", "|---" * (3 + 2 * len(keys)) + "|"]
+    llama = {r["model"]: r for r in rows if r["side"] == "llama.cpp" and "status" not in r}
+    for r in rows:
+        if "status" in r:
+            lines.append(f"| {r['model']} | {r['config']} | {r['side']} | {r['status'][:160]} |")
+            continue
+        ref = llama.get(r["model"], {}) if r["side"] == "ours" else {}
+        speeds = [f"{r[k]:.1f}" if k in r else "-" for k in keys]
+        ratios = [f"{r[k] / ref[k]:.2f}x" if k in r and ref.get(k) else "-" for k in keys]
+        lines.append(f"| {r['model']} | {r['config']} | {r['side']} | " + " | ".join(speeds + ratios) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default,1.7b", help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--config", default="", help="comma list of our configurations (default: all of the model's)")
+    parser.add_argument("--side", choices=("both", "ours", "llama"), default="both")
+    parser.add_argument("--depths", default="0,512,4096")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama-repeats", type=int, default=3, help="llama-bench -r")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--smoke", action="store_true", help="default model, depths 0,32, 4 new tokens, "
+                        "a 32-token prefill, 1 repeat; written to $TMPDIR/native_steps_smoke.json")
+    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/native_steps.json")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.depths, args.decode_tokens, args.prefill_tokens = "default", "0,32", 4, 32
+        args.repeats = args.llama_repeats = 1
+    args.depth_list = [int(d) for d in args.depths.split(",")]
+    if args.child:
+        print(json.dumps(measure_ours(args)))
+        return
+    out = args.out or (Path(tempfile.gettempdir()) / "native_steps_smoke.json" if args.smoke
+                       else Path("benchmarks/results/native_steps.json"))
+    rows = []
+    for model in args.model.split(","):
+        if args.side in ("both", "ours"):
+            for config in [c for c in args.config.split(",") if c] or CONFIGS[model]:
+                rows.append(run_ours(model, config, args))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.side in ("both", "llama"):
+            rows.append(run_llama(model, args))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "child", "depth_list")}
+    settings.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(),
+                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), cpu_count=os.cpu_count())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "native_steps", "settings": settings, "rows": rows}, indent=1))
+    print(table(rows, args.depth_list))
+
+
+if __name__ == "__main__":
+    main()
