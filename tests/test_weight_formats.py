@@ -180,9 +180,10 @@ def test_int_formats_convert_tensor_by_tensor_and_reload_without_the_float_file(
         scale = scale_zeros[..., 0].T.float().repeat_interleave(32, dim=1)
         offset = scale_zeros[..., 1].T.float().repeat_interleave(32, dim=1) - 8 * scale
         assert torch.equal(down.dequantized(), codes.float() * scale + offset)
-    import safetensors
     import transformers
-    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("opened the float checkpoint"))
+
+    from kvboost_engine.weights import hf_pack
+    monkeypatch.setattr(hf_pack, "SafetensorsFile", lambda *a, **k: pytest.fail("opened the float checkpoint"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("loaded the float model"))
     again, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights=fmt)

@@ -1,7 +1,7 @@
 """weights="int4" / "int8" from an HF float checkpoint without a float copy of the model.
 
 The first load converts tensor by tensor: each matrix is read alone from the safetensors files
-(safe_open), quantized (formats.py's quantizers: int4 in groups of 32 with bf16 scale and zero,
+(safetensors_file.py: its pages released after), quantized (formats.py's quantizers: int4 in groups of 32 with bf16 scale and zero,
 the head and embedding int8 per channel), repacked into the native kernel's layout and appended to
 the cache file (pack_file.py), so the peak is the converted weights plus about one float matrix.
 Later loads map that file (gguf_model.load_packed_model) and never read the float checkpoint.
@@ -34,6 +34,7 @@ from .formats import INT4_GROUP, quantize_int4_groups, quantize_int8_rows
 from .gguf_model import COMPLETE, DATA, EMBEDDING, HEAD, INDEX, skeleton, is_packed_dir, load_packed_model
 from .memory import check_fits
 from .pack_file import PackWriter
+from .safetensors_file import SafetensorsFile
 from .packed import BLOCK, TILE, pack_codes
 
 PACK_VERSION = "hf-pack-1"
@@ -41,13 +42,12 @@ BITS = {"int4": 4, "int8": 8}
 log = logging.getLogger(__name__)
 
 
-def _checkpoint(source: Path) -> dict[str, Path]:
+def _checkpoint(source: Path) -> dict[str, SafetensorsFile]:
     """tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open
     names = {}
-    for file in sorted(source.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            names.update({name: file for name in handle.keys()})
+    for path in sorted(source.glob("*.safetensors")):
+        file = SafetensorsFile(path)
+        names.update({name: file for name in file.names()})
     return names
 
 
@@ -91,29 +91,20 @@ def _packed(weight: torch.Tensor, bits: int) -> dict:
 
 
 def _write(model, stored: dict, plan: dict, writer: PackWriter) -> dict:
-    from safetensors import safe_open
     matrices, floats = {}, []
-    handles = {}
-    try:
-        for full, (kind, bits) in plan.items():
-            file = stored[full]
-            if file not in handles:
-                handles[file] = safe_open(str(file), "pt").__enter__()
-            tensor = handles[file].get_tensor(full).float()
-            name = full.rpartition(".")[0]
-            if kind == "matrix":
-                packed = _packed(tensor, bits)
-                for part in ("codes", "d", "m"):
-                    writer.add(f"{name}.{part}", packed[part])
-                matrices[name] = {"bits": bits, "rows": tensor.shape[0], "cols": tensor.shape[1], "type": "float",
-                                  "max_error": 0.0}
-            else:
-                writer.add(full, tensor)
-                floats.append(full)
-            del tensor
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+    for full, (kind, bits) in plan.items():
+        tensor = stored[full].read(full)                    # float32 copy; the file's pages released
+        name = full.rpartition(".")[0]
+        if kind == "matrix":
+            packed = _packed(tensor, bits)
+            for part in ("codes", "d", "m"):
+                writer.add(f"{name}.{part}", packed[part])
+            matrices[name] = {"bits": bits, "rows": tensor.shape[0], "cols": tensor.shape[1], "type": "float",
+                              "max_error": 0.0}
+        else:
+            writer.add(full, tensor)
+            floats.append(full)
+        del tensor
     return {"matrices": matrices, "floats": floats, "requantized_error": {}, "tied": HEAD not in matrices}
 
 
