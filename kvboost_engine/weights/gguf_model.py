@@ -102,24 +102,33 @@ def _build(gguf_path: Path, target: Path) -> None:
     file = GGUFFile(gguf_path)
     arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))
     model = skeleton(config)
+    write_packed_dir(target, lambda writer: _write_tensors(model, file, arch, layers, config, writer),
+                     config, tokenizer, {"gguf": str(gguf_path)})
+    log.info("repacked %s into %s in %.1f s", gguf_path, target, time.perf_counter() - started)
+
+
+def write_packed_dir(target: Path, write_tensors, config, tokenizer, source: dict) -> None:
+    """Build a packed dir atomically: `write_tensors(writer)` appends the tensors and returns the
+    index metadata (plus `source` and the time taken), then the config and tokenizer; a staging dir
+    beside `target` replaces it only when complete."""
+    started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=".pack-", dir=target.parent))
     try:
         writer = PackWriter(staging / DATA, staging / INDEX)
         try:
-            meta = _write_tensors(model, file, arch, layers, config, writer)
-            meta["gguf"], meta["repack_s"] = str(gguf_path), round(time.perf_counter() - started, 2)
+            meta = {"gguf": None, **write_tensors(writer), **source}
+            meta["repack_s"] = round(time.perf_counter() - started, 2)
             writer.finish(meta)
         finally:
             writer.close()
         config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / COMPLETE).write_text(str(gguf_path))
+        (staging / COMPLETE).write_text(str(next(iter(source.values()))))
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("repacked %s into %s in %.1f s", gguf_path, target, time.perf_counter() - started)
 
 
 def _row_order(arch: str, hf_name: str, config, rows: int) -> torch.Tensor | None:

@@ -18,9 +18,7 @@ not tile (rows a multiple of 16, columns of 32).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from torch import nn
 from ..errors import InputError
 from ..paths import build_lock, cache_home
 from .formats import INT4_GROUP, quantize_int4_groups, quantize_int8_rows
-from .gguf_model import COMPLETE, DATA, EMBEDDING, HEAD, INDEX, skeleton, is_packed_dir, load_packed_model
+from .gguf_model import DATA, EMBEDDING, HEAD, is_packed_dir, load_packed_model, skeleton, write_packed_dir
 from .memory import check_fits
 from .pack_file import PackWriter
 from .safetensors_file import SafetensorsFile
@@ -139,24 +137,8 @@ def packed_hf_dir(source: Path, fmt: str, config, tokenizer) -> Path | None:
 
 def _build(source, target, model, stored, plan, config, tokenizer, fmt) -> None:
     started = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=".pack-", dir=target.parent))
-    try:
-        writer = PackWriter(staging / DATA, staging / INDEX)
-        try:
-            meta = _write(model, stored, plan, writer)
-            meta["gguf"], meta["source"], meta["format"] = None, str(source), fmt
-            meta["repack_s"] = round(time.perf_counter() - started, 2)
-            writer.finish(meta)
-        finally:
-            writer.close()
-        config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / COMPLETE).write_text(str(source))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    write_packed_dir(target, lambda writer: _write(model, stored, plan, writer), config, tokenizer,
+                     {"source": str(source), "format": fmt})
     log.info("converted %s to %s in %.1f s", source, fmt, time.perf_counter() - started)
 
 
@@ -166,7 +148,7 @@ def load_hf_packed(source: Path, fmt: str | None, config, tokenizer, device, dty
         return None
     from .quantized import WeightsInfo
     began = time.perf_counter()
-    cached = (_target(source, fmt) or Path("/nonexistent")).is_dir() and is_packed_dir(_target(source, fmt))
+    cached = (known := _target(source, fmt)) is not None and is_packed_dir(known)
     target = packed_hf_dir(source, fmt, config, tokenizer)
     if target is None:
         return None
