@@ -3,9 +3,10 @@ $KVBOOST_HOME/bench-models (default ~/.cache/kvboost/bench-models) with llama.cp
 (benchmarks/llama_tools.sh: llama-quantize, convert_hf_to_gguf.py and gguf-py from the
 llama-cpp-python 0.3.36 sdist).
 
-  default  SmolLM2-135M-Instruct: the Q4_1 GGUF it ships as (Q8_0 embedding), a Q4_0 requant
-           (llama-quantize --allow-requantize), and its HF directory for weights="int4"
-  gemma3   Gemma 3 270M: the Q4_K_M GGUF of the named model, and its HF directory
+  default  SmolLM2-135M-Instruct: the Q4_1 GGUF it ships as (Q8_0 embedding), Q4_0 and Q4_K_M
+           requants (llama-quantize --allow-requantize), and its HF directory for weights="int4"
+  gemma3   Gemma 3 270M: the Q4_K_M GGUF of the named model, Q4_0 and Q4_1 requants of it, and its
+           HF directory
   1.7b     random weights (seed 0) with SmolLM2-1.7B's config (speed and memory do not depend on
            the values), saved as bf16 safetensors with the default model's tokenizer (same
            vocabulary), converted to a BF16 GGUF, then quantized to Q4_0, Q4_1, Q4_K_M and Q8_0
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
-MODEL_FORMATS = {"default": ("q4_1", "q4_0", "hf-int4"), "gemma3": ("q4_k_m", "hf-int4"),
+MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "hf-int4"), "gemma3": ("q4_k_m", "q4_0", "q4_1", "hf-int4"),
                  "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4")}
 SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                     intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
