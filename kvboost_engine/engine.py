@@ -32,7 +32,7 @@ from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
-                     logits_size, native_decoder_for, pool_for, resolve_dtype, weight_stats)
+                     logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype, weight_stats)
 
 
 class Engine:
@@ -99,9 +99,11 @@ class Engine:
         "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
         `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
 
-        `weights`: None keeps the weights as stored: a .gguf on CPU in float32 runs its own 4/8-bit
-        numbers (repacked once into the native layout, mapped; no float copy); "gguf" asks for that
-        for the default and named models too (they default to exact float32); "fp32" dequantizes.
+        `weights`: None keeps the weights as stored where the native step runs them: a llama /
+        mistral / qwen2 .gguf on CPU in float32 runs its own 4/8-bit numbers (repacked once into the
+        native layout, mapped; no float copy); Gemma 3 / Qwen3 files load as float32 unless that
+        copy would not fit. "gguf" asks for as stored (also for the default and named models, which
+        default to exact float32); "fp32" dequantizes.
         From float: "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head); int4/int8 are
         converted tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats
         change the numbers (the README gives their measured perplexity).
@@ -285,9 +287,7 @@ class Engine:
         with self._counter_lock:
             counters = dict(self._counters)
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
-        native = {"native_decode": self._native is not None}
-        if self._native is None:
-            native["native_decode_off"] = self._native_off
+        native = native_stats(self._native, self._native_off)
         return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native}
 
     def memory(self) -> dict:

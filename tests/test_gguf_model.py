@@ -130,3 +130,13 @@ def test_refusals_name_the_problem(tmp_path):
         Engine.from_pretrained(tmp_path, weights="gguf")
     with pytest.raises(InputError, match="CPU with float32"):
         load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32, weights="int4")
+
+
+def test_default_load_as_stored_only_where_the_native_step_runs_it(tmp_path, monkeypatch):
+    llama, gemma = tmp_path / "llama.gguf", tmp_path / "gemma.gguf"
+    write_model(llama, "llama", Q.Q4_0, embed=Q.Q8_0)
+    write_model(gemma, "gemma3", Q.Q4_0, embed=Q.Q8_0)
+    assert gguf_model.stored_by_default(llama)
+    assert not gguf_model.stored_by_default(gemma)         # the PyTorch loop would decode every matrix per token
+    monkeypatch.setattr(gguf_model, "available_bytes", lambda: 1_000)     # a float32 copy cannot fit
+    assert gguf_model.stored_by_default(gemma)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -33,12 +34,14 @@ from ..paths import build_lock, cache_home
 from .gguf_blocks import dequantize
 from .gguf_file import GGUFFile, check_gguf
 from .gguf_repack import repack, unpermute_rows
-from .memory import check_fits
+from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
 PACK_VERSION = "gguf-pack-1"
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
+NATIVE_ARCHITECTURES = ("llama", "qwen2")      # the native step runs them as stored (decoder.py's model types)
+FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
 REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes at most (Q6_K: 9 bits a weight for 6.56)
 EXACT_TOP = 8                   # head rows whose logits the native step recomputes in float (as weights="int4")
 DATA, INDEX, COMPLETE = "weights.bin", "weights.json", ".kvboost-complete"
@@ -48,6 +51,24 @@ log = logging.getLogger(__name__)
 
 def is_packed_dir(path: Path) -> bool:
     return (path / INDEX).is_file() and (path / COMPLETE).is_file()
+
+
+def stored_by_default(gguf_path: Path) -> bool:
+    """Whether a .gguf given without `weights` loads as stored. Yes where the native step runs the
+    architecture (llama, mistral, qwen2: as stored is smaller and faster there). Gemma 3 and Qwen3
+    as stored run the PyTorch layer loop, which decodes every matrix on every forward (seconds a
+    token), so they load as float32, dequantized once, unless that copy would not fit the memory
+    available: then as stored is the only way to run them. weights="gguf" / "fp32" choose."""
+    file = GGUFFile(gguf_path)
+    if file.architecture in NATIVE_ARCHITECTURES:
+        return True
+    float_bytes = 4 * sum(math.prod(t.shape) for t in file.tensors.values())
+    available = available_bytes()
+    stored = available is not None and FLOAT_LOAD_PEAK * float_bytes > available
+    log.info("%s (%s): loading %s", gguf_path.name, file.architecture, "as stored: a float32 copy "
+             f"({float_bytes / 2**30:.1f} GiB) would not fit" if stored else "as float32 (the native step does not "
+             "run this architecture; weights='gguf' keeps it as stored)")
+    return stored
 
 
 def packed_gguf_dir(gguf_path: Path) -> Path:
