@@ -6,7 +6,8 @@ llama-cpp-python 0.3.36 sdist).
   default  SmolLM2-135M-Instruct: the Q4_1 GGUF it ships as (Q8_0 embedding), Q4_0 and Q4_K_M
            requants (llama-quantize --allow-requantize), and its HF directory for weights="int4"
   gemma3   Gemma 3 270M: the Q4_K_M GGUF of the named model, Q4_0 and Q4_1 requants of it, and its
-           HF directory
+           HF directory; "q4_k_m:stored" is the Q4_K_M file with weights="gguf" (Gemma loads as
+           float32 by default: the native step does not run it)
   1.7b     random weights (seed 0) with SmolLM2-1.7B's config (speed and memory do not depend on
            the values), saved as bf16 safetensors with the default model's tokenizer (same
            vocabulary), converted to a BF16 GGUF, then quantized to Q4_0, Q4_1, Q4_K_M and Q8_0
@@ -23,8 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+STORED = ":stored"          # a format's file loaded with weights="gguf" (as stored whatever the architecture)
 GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
-MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "hf-int4"), "gemma3": ("q4_k_m", "q4_0", "q4_1", "hf-int4"),
+MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "hf-int4"), "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
                  "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4")}
 SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                     intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
@@ -144,7 +146,9 @@ def hf_dir(model: str) -> Path:
 
 
 def model_file(model: str, fmt: str) -> Path:
-    """The file (GGUF) or directory (hf-int4) of `model` in `fmt`, built once."""
+    """The file (GGUF) or directory (hf-int4) of `model` in `fmt`, built once ("<fmt>:stored": the
+    same file, loaded with weights="gguf")."""
+    fmt = fmt.removesuffix(STORED)
     if fmt == "hf-int4":
         return hf_dir(model)
     return {"default": default_gguf, "gemma3": gemma3_gguf, "1.7b": random_1p7b_gguf}[model](fmt)

@@ -2,7 +2,8 @@
 
 Models and formats (files built once by benchmarks/gguf_models.py with llama.cpp's own tools):
   default  SmolLM2-135M-Instruct: q4_1 (as shipped, Q8_0 embedding), q4_0 (llama-quantize requant), hf-int4
-  gemma3   Gemma 3 270M base: q4_k_m (as shipped), hf-int4
+  gemma3   Gemma 3 270M base: q4_k_m (as shipped; loads as float32 by default, the native step does not
+           run Gemma), q4_k_m:stored (the same file with weights="gguf"), q4_0, q4_1 (requants), hf-int4
   1.7b     random weights, SmolLM2-1.7B's config: q4_0, q4_1, q4_k_m, q8_0 (from a BF16 GGUF), hf-int4
 hf-int4 is the model's HF directory loaded with weights="int4" (its ratios in the table are against
 llama.cpp on the model's Q4_0 GGUF); the other formats give the .gguf path to Engine.from_pretrained
@@ -44,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..gguf_models import MODEL_FORMATS, home, model_file, tools_dir
+from ..gguf_models import MODEL_FORMATS, STORED, home, model_file, tools_dir
 
 PROMPT = "The lighthouse keeper looked out at the storm and"
 
@@ -76,7 +77,8 @@ def measure_ours(args) -> dict:
     from kvboost_tools.awq.texts import evaluation_text
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    engine = Engine.from_pretrained(args.path, weights="int4" if args.fmt == "hf-int4" else None, cache_bytes=0)
+    weights = "int4" if args.fmt == "hf-int4" else "gguf" if args.fmt.endswith(STORED) else None
+    engine = Engine.from_pretrained(args.path, weights=weights, cache_bytes=0)
     out = {"load_s": time.perf_counter() - started, "rss_after_load_bytes": _vm_kib("VmRSS") * 1024}
     n = args.decode_tokens
 
@@ -207,7 +209,7 @@ def table(rows: list[dict]) -> str:
         if "status" in r:
             lines.append(f"| {r['model']} | {r['format']} | {r['side']} | {r['status'][:120]} ||||||||")
             continue
-        ref = llama.get((r["model"], "q4_0" if r["format"] == "hf-int4" else r["format"]))   # hf-int4: vs Q4_0
+        ref = llama.get((r["model"], "q4_0" if r["format"] == "hf-int4" else r["format"].removesuffix(STORED)))
         ratio_rss = ratio_load = ratio_dec = "-"
         if ref and r["side"] == "ours":
             ratio_rss = f"{r['peak_rss_bytes'] / ref['peak_rss_bytes']:.2f}x"
@@ -259,7 +261,7 @@ def main(argv=None) -> None:
         for fmt in formats:
             path = model_file(model, fmt)
             for side, run in (("ours", run_ours), ("llama", run_llama)):
-                if args.side in ("both", side) and not (side == "llama" and fmt == "hf-int4"):
+                if args.side in ("both", side) and not (side == "llama" and (fmt == "hf-int4" or STORED in fmt)):
                     rows.append(run(model, fmt, path, args))
                     print(json.dumps(rows[-1]), file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "child", "path")}

@@ -7,7 +7,7 @@ and the next-token loss is counted on the second half of each window only (posit
 CTX-2 predicting the following token). Its tokens are read back from its --kl-divergence-base file,
 so our side scores exactly the same token ids and windows.
 
-Ours, in a fresh process (Engine.from_pretrained(gguf), threads as given), per window:
+Ours, in a fresh process (Engine.from_pretrained(gguf, weights="gguf"): as stored; threads as given), per window:
   decode   (default) the first CTX/2 + 1 tokens in one forward (the engine's prefill path), then one
            token at a time through the engine's decode step (the native step where the engine takes
            it): the arithmetic a user's generation runs through
@@ -65,7 +65,7 @@ def ours(path: str, tokens: list[int], n_ctx: int, mode: str, threads: int) -> d
 
     from kvboost_engine import Engine
     torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(path, cache_bytes=0)
+    engine = Engine.from_pretrained(path, weights="gguf", cache_bytes=0)      # as stored, whatever the architecture
     bos = engine.tokenizer.bos_token_id
     add_bos = bos is not None and tokens[0] == bos            # llama.cpp tokenized with a leading BOS
     first, nll, count = n_ctx // 2, 0.0, 0
@@ -154,7 +154,7 @@ def main(argv=None) -> None:
     rows = []
     for model in args.model.split(","):
         formats = [f for f in args.format.split(",") if f] or MODEL_FORMATS[model]
-        for fmt in (f for f in formats if f != "hf-int4"):
+        for fmt in (f for f in formats if f != "hf-int4" and ":" not in f):
             rows.append(measure(model, fmt, args))
             print(json.dumps(rows[-1]), file=sys.stderr)
     result = json.loads(args.out.read_text()) if args.out.is_file() else {"benchmark": "gguf_ppl", "rows": []}
