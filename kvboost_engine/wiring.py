@@ -195,3 +195,11 @@ def native_decoder_for(config: EngineConfig, adapter: ModelAdapter):
     if decoder is None and config.native_decode:
         raise InputError(f"native_decode=True, but the native decode step cannot run: {reason}")
     return decoder, reason
+
+
+def native_stats(decoder, reason: str | None) -> dict:
+    """stats()'s native entries: whether the native step runs, its instruction-set variant
+    (native_isa), and why it is off (native_decode_off)."""
+    if decoder is None:
+        return {"native_decode": False, "native_isa": None, "native_decode_off": reason}
+    return {"native_decode": True, "native_isa": decoder.isa}

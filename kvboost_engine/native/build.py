@@ -1,11 +1,14 @@
-"""Build decode.cpp once per source, compiler and machine kind; load it with ctypes.
+"""Build decode.cpp once per source, compiler, instruction set and machine kind; load it with ctypes.
 
-The library is compiled with the system C++ compiler (`$CXX`, else g++, else c++) for AVX512 with
-VNNI (named instruction sets, never `-march=native`: some VMs advertise extensions they cannot
-run) into `$KVBOOST_HOME/native/`, under a name keyed by the source and the compiler, so a later
-process loads it without compiling. Anything missing (not x86-64 Linux, a CPU without those
-instructions, no compiler, a failed build) is reported as a reason, never raised: callers fall
-back to the PyTorch path.
+The library is compiled with the system C++ compiler (`$CXX`, else g++, else c++) into
+`$KVBOOST_HOME/native/`, under a name keyed by the source, the compiler and the flags, so a later
+process loads it without compiling. One library per instruction-set variant (ISAS, best first):
+AVX512 with VNNI, AVX2 with AVX-VNNI, plain AVX2 (each with FMA and F16C), named instruction sets,
+never `-march=native` (some VMs advertise extensions they cannot run). The best variant the CPU
+reports runs; `KVBOOST_NATIVE_ISA=avx512|avxvnni|avx2` (or `load(isa=...)`) forces one, refused
+with a reason where the CPU lacks it. Anything missing (not x86-64 Linux, a CPU without AVX2, FMA
+and F16C, no compiler, a failed build) is reported as a reason, never raised: callers fall back to
+the PyTorch path.
 
 It is built with OpenMP: its `libgomp.so.1` is, by soname, the one PyTorch's Linux wheels ship and
 have already loaded, so a step runs on the calling thread's own OpenMP team, the threads its
@@ -29,26 +32,59 @@ from ..paths import build_lock, cache_home
 from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 5
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512dq", "-mavx512vnni", "-mfma")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma")
+ABI_VERSION = 6
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
+# variant: (compiler flags, /proc/cpuinfo flags it needs), best first
+ISAS = {
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-DKVB_ISA_AVX512"),
+               ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma")),
+    "avxvnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DKVB_ISA_AVXVNNI"), ("avx2", "fma", "f16c", "avx_vnni")),
+    "avx2": (("-mavx2", "-mfma", "-mf16c", "-DKVB_ISA_AVX2"), ("avx2", "fma", "f16c")),
+}
+ENV = "KVBOOST_NATIVE_ISA"
 log = logging.getLogger(__name__)
-_loaded: dict[str, object] = {}
+_loaded: dict = {}
 _lock = threading.Lock()
 
 
-def cpu_reason() -> str | None:
-    """Why this machine cannot run the native step (None: it can)."""
+def cpu_flags() -> tuple[set[str] | None, str | None]:
+    """(this CPU's flags, None), or (None, why they do not matter: not x86-64 Linux, unreadable)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"native decode needs x86-64 Linux (this is {platform.system()} {platform.machine()})"
+        return None, f"native decode needs x86-64 Linux (this is {platform.system()} {platform.machine()})"
     try:
         with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+            return set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])), None
     except OSError as err:
-        return f"cannot read /proc/cpuinfo ({err})"
-    missing = [flag for flag in CPU_FLAGS if flag not in flags]
+        return None, f"cannot read /proc/cpuinfo ({err})"
+
+
+def isa_reason(isa: str) -> str | None:
+    """Why this machine cannot run variant `isa` (None: it can)."""
+    if isa not in ISAS:
+        return f"{ENV}={isa!r} is not one of {', '.join(ISAS)}"
+    flags, reason = cpu_flags()
+    if flags is None:
+        return reason
+    missing = [flag for flag in ISAS[isa][1] if flag not in flags]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def candidates(isa: str | None = None) -> tuple[list[str], str | None]:
+    """(the variants to try, best first, for `isa` or $KVBOOST_NATIVE_ISA or else every one this CPU
+    runs; None) or ([], why none can run)."""
+    isa = isa or os.environ.get(ENV) or None
+    if isa is not None:
+        reason = isa_reason(isa)
+        if reason is None:
+            return [isa], None
+        return [], reason if isa not in ISAS else f"the {isa} variant was asked for, but {reason}"
+    usable = [name for name in ISAS if isa_reason(name) is None]
+    return (usable, None) if usable else ([], isa_reason("avx2"))
+
+
+def cpu_reason() -> str | None:
+    """Why this machine cannot run the native step (None: it can, in some variant)."""
+    return candidates()[1]
 
 
 def compiler() -> str | None:
@@ -58,53 +94,64 @@ def compiler() -> str | None:
     return None
 
 
-def library_path(cxx: str) -> Path:
+def library_path(cxx: str, isa: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = xxhash.xxh3_64_hexdigest("\0".join([SOURCE.read_text(), cxx, *version, *FLAGS]).encode())
-    return cache_home() / "native" / f"kvboost-decode-{key}.so"
+    key = xxhash.xxh3_64_hexdigest("\0".join([SOURCE.read_text(), cxx, *version, *FLAGS, *ISAS[isa][0]]).encode())
+    return cache_home() / "native" / f"kvboost-decode-{isa}-{key}.so"
 
 
-def load() -> tuple[object | None, str | None]:
-    """(the loaded library, None), or (None, why not). Builds it on first use; cached per process."""
+def load(isa: str | None = None) -> tuple[object | None, str | None]:
+    """(the loaded library, None), or (None, why not): variant `isa`, else $KVBOOST_NATIVE_ISA's, else
+    the best this CPU runs (the next one where a build fails). Builds it on first use; cached per
+    process. `lib.isa` names the variant."""
     with _lock:
-        if "lib" in _loaded:
-            return _loaded["lib"], _loaded["reason"]
-        lib, reason = None, cpu_reason()
-        if reason is None:
-            lib, reason = _build_and_open()
-        if reason is not None:
+        want = isa or os.environ.get(ENV) or None
+        if want in _loaded:
+            return _loaded[want]
+        names, reason = candidates(want)
+        lib, failures = None, []
+        for name in names:
+            lib, reason = _build_and_open(name)
+            if lib is not None:
+                break
+            failures.append(reason)
+        if lib is None:
+            reason = "; ".join(failures) or reason
             log.info("kvboost native decode off: %s", reason)
-        _loaded.update(lib=lib, reason=reason)
-        return lib, reason
+        _loaded[want] = lib, (None if lib is not None else reason)
+        return _loaded[want]
 
 
-def _build_and_open() -> tuple[object | None, str | None]:
+def _build_and_open(isa: str) -> tuple[object | None, str | None]:
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler found (set CXX, or install g++)"
-    path = library_path(cxx)
+    path = library_path(cxx, isa)
     try:
         if not path.exists():
             with build_lock(path):
                 if not path.exists():
-                    _compile(cxx, path)
+                    _compile(cxx, path, isa)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        return None, f"building {SOURCE.name} failed: {err}"
+        return None, f"building {SOURCE.name} ({isa}) failed: {err}"
     if lib.kvb_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.kvb_abi_version()}, expected {ABI_VERSION}"
     _declare(lib)
     structs = (abi.MatArgs, abi.LayerArgs, abi.ModelArgs, abi.Row)
     if [lib.kvb_struct_size(i) for i in range(4)] != [ctypes.sizeof(s) for s in structs]:
         return None, f"{path}: the C structures' sizes differ from native/abi.py's"
+    lib.isa = lib.kvb_isa().decode()
+    if lib.isa != isa:
+        return None, f"{path} was built for {lib.isa}, not {isa}"
     return lib, None
 
 
-def _compile(cxx: str, path: Path) -> None:
+def _compile(cxx: str, path: Path, isa: str) -> None:
     handle, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(handle)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", staging], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *FLAGS, *ISAS[isa][0], str(SOURCE), "-o", staging], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(" | ".join(done.stderr.strip().splitlines()[-3:])[-500:])
         os.replace(staging, path)
@@ -123,3 +170,5 @@ def _declare(lib) -> None:
     lib.kvb_struct_size.argtypes = [ctypes.c_int]
     lib.kvb_decoder_free.restype = None
     lib.kvb_decoder_free.argtypes = [p]
+    lib.kvb_isa.restype = ctypes.c_char_p
+    lib.kvb_isa.argtypes = []

@@ -1,9 +1,10 @@
 // One step of a Llama-family model (RMSNorm, rotary, grouped-query attention, SiLU MLP) over M
-// rows on CPU with AVX512-VNNI: a row is one token of a sequence over that sequence's KV, so a step
+// rows on CPU (x86-64: AVX512-VNNI, AVX-VNNI or AVX2, one library per instruction set; see "ISA
+// primitives"): a row is one token of a sequence over that sequence's KV, so a step
 // is one decode token of M sequences or a prompt chunk of one (all rows' K and V are written before
 // any row attends, each up to its own position). Every matrix product reads 4- or 8-bit weight
 // codes once for all rows and multiplies them with each row's activation quantized to int8 per
-// block of 32 (vpdpbusd), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
+// block of 32 (integer dot products), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
 // where a weight decodes to code * d + m (d bf16 / fp16 / fp32, m fp16 / fp32). Float32 weights
 // (bits = 32, the model's own row-major matrices) are read as they are, with the float activations.
 // Each row's arithmetic is the same whatever M and whatever rows share the step (batch-invariant).
@@ -54,36 +55,81 @@ struct Layer {
   int window;                // 0: full attention; else keys with pos - window < k <= pos
 };
 
-inline __m512 bf16_to_f32(const uint16_t* p) {
+// ---- ISA primitives ------------------------------------------------------------------------------
+// The kernels below are written once over these; build.py compiles one library per variant, chosen
+// by a macro: KVB_ISA_AVX512 (AVX512F/BW/VL/DQ + VNNI), KVB_ISA_AVXVNNI (AVX2 + FMA + F16C +
+// AVX-VNNI), KVB_ISA_AVX2 (AVX2 + FMA + F16C). API (VW = float lanes of a vector: 16 or 8):
+//   vf                                a vector of VW floats
+//   vzero() vset1(f) vload(p) vstore(p, v) vload_n(p, n) / vstore_n(p, v, n) (first n < VW lanes;
+//   vload_n zeroes the rest) vkeep_n(v, n) (lanes >= n zeroed)
+//   vadd vsub vmul vdiv vmax vmin vabs vfma(a, b, c) = a * b + c, vfnma(a, b, c) = c - a * b
+//   vsum(v) vhmax(v)                  horizontal sum / max (the order is fixed per ISA)
+//   vexp(v)                           e^v (v <= 88; 0 below the float range)
+//   load_scales<T>(p, i)              VW scales of ScaleType T from p + i, as floats
+//   f16_scalar(h) bf16_scalar(h)      one scale
+//   dot_block<BITS, R>(wp, half, xb, s)  vi s[r] (VW int32 lanes): the exact dot products of the
+//                                     codes of one (tile, block) at wp, output rows half * VW .. + VW
+//                                     (HALVES = TILE / VW per tile), with the 32 int8 activations of
+//                                     each of R rows (xb[r]: 8 int32 words, 4 int8 each): lane i =
+//                                     row half * VW + i of sum(code * x); vcvt(vi) -> vf
+//   quantize(x, cols, xq, dx, sx)     int8 per block of 32 (the same numbers on every ISA)
+// Integer dot products are exact, so the quantized products give the same floats on every ISA;
+// float reductions (float weights, attention dots, sums) follow the vector width.
+#if defined(KVB_ISA_AVX512)
+constexpr int VW = 16;
+using vf = __m512;
+using vi = __m512i;
+constexpr const char* ISA_NAME = "avx512";
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float f) { return _mm512_set1_ps(f); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline __mmask16 lanes_n(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline vf vload_n(const float* p, int n) { return _mm512_maskz_loadu_ps(lanes_n(n), p); }
+inline void vstore_n(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, lanes_n(n), v); }
+inline vf vkeep_n(vf v, int n) { return _mm512_maskz_mov_ps(lanes_n(n), v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
+inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2_mul(vf p, vf n) { return _mm512_scalef_ps(p, n); }     // p * 2^n (0 below the float range)
+
+inline vf bf16_to_f32(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-
-inline float bf16_scalar(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
+inline vf f16_to_f32(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline float f16_scalar(uint16_t v) { return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(v)))); }
 
-// 16 scales from p + i, of element type T, as floats
-template <int T>
-inline __m512 load_scales(const void* p, size_t i) {
-  if constexpr (T == S_BF16) {
-    return bf16_to_f32(static_cast<const uint16_t*>(p) + i);
-  } else if constexpr (T == S_F16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+// s[r] = sum(code * x) for the 16 rows of one (tile, block) and R rows of activations xb[r] (8 int32
+// words: 4 int8 each). 4-bit: 8 columns per 64-byte chunk j (low nibbles 8j..8j+3, high 8j+4..8j+7);
+// 8-bit: 4 columns 4j..4j+3.
+template <int BITS, int R>
+inline void dot_block(const uint8_t* wp, int /*half*/, const int32_t* const* xb, vi* s) {
+  __m512i v[8];
+  if constexpr (BITS == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      __m512i raw = _mm512_loadu_si512(wp + j * 64);
+      v[2 * j] = _mm512_and_si512(raw, nibble);
+      v[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    }
   } else {
-    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+    for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(wp + j * 64);
   }
-}
-
-inline float scale_at(const void* p, int type, size_t i) {
-  if (type == S_BF16) return bf16_scalar(static_cast<const uint16_t*>(p)[i]);
-  if (type == S_F16) return f16_scalar(static_cast<const uint16_t*>(p)[i]);
-  return static_cast<const float*>(p)[i];
+  for (int r = 0; r < R; ++r) {
+    s[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) s[r] = _mm512_dpbusd_epi32(s[r], v[j], _mm512_set1_epi32(xb[r][j]));
+  }
 }
 
 // Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
@@ -99,6 +145,188 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     dx[b] = amax / 127.f;
     sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
+}
+
+#elif defined(KVB_ISA_AVXVNNI) || defined(KVB_ISA_AVX2)
+constexpr int VW = 8;
+using vf = __m256;
+using vi = __m256i;
+#if defined(KVB_ISA_AVXVNNI)
+constexpr const char* ISA_NAME = "avxvnni";
+#else
+constexpr const char* ISA_NAME = "avx2";
+#endif
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float f) { return _mm256_set1_ps(f); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline __m256i lanes_n(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+inline vf vload_n(const float* p, int n) { return _mm256_maskload_ps(p, lanes_n(n)); }
+inline void vstore_n(float* p, vf v, int n) { _mm256_maskstore_ps(p, lanes_n(n), v); }
+inline vf vkeep_n(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_n(n))); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n for integral n: 2^n built in the exponent field (n >= -126), 0 below that
+inline vf vpow2_mul(vf p, vf n) {
+  const vf low = _mm256_cmp_ps(n, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+  __m256i e = _mm256_cvtps_epi32(vmin(vmax(n, _mm256_set1_ps(-126.f)), _mm256_set1_ps(127.f)));
+  vf two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+  return _mm256_and_ps(vmul(p, two_n), low);
+}
+
+inline vf bf16_to_f32(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline vf f16_to_f32(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float f16_scalar(uint16_t v) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(v)))); }
+
+// One half (rows half * 8 .. + 8) of a (tile, block): the 32 bytes at half * 32 of each 64-byte chunk
+// j (4-bit: low nibbles columns 8j..8j+3, high 8j+4..8j+7; 8-bit: columns 4j..4j+3), times R rows of
+// activations xb[r] (8 int32 words: 4 int8 each): s[r] = sum(code * x), exact. Without VNNI, u8 x s8
+// pairs go through maddubs (int16, saturating): 4-bit codes are summed in int16 over the block
+// (|sum| <= 8 * 2 * 15 * 128 < 32768); 8-bit codes (255 * 127 * 2 would saturate) as two nibbles.
+template <int BITS, int R>
+inline void dot_block(const uint8_t* wp, int half, const int32_t* const* xb, vi* s) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  wp += half * 32;
+#if defined(KVB_ISA_AVXVNNI)
+  __m256i v[8];
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (BITS == 4) {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j / 2) * 64));
+      v[j] = j % 2 == 0 ? _mm256_and_si256(raw, nibble) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    } else {
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    s[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) s[r] = _mm256_dpbusd_avx_epi32(s[r], v[j], _mm256_set1_epi32(xb[r][j]));
+  }
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    __m256i v[8];
+    for (int j = 0; j < 4; ++j) {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64));
+      v[2 * j] = _mm256_and_si256(raw, nibble);
+      v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256i p = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(xb[r][0]));
+      for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[j], _mm256_set1_epi32(xb[r][j])));
+      s[r] = _mm256_madd_epi16(p, ones);
+    }
+  } else {
+    __m256i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64));
+      __m256i cl = _mm256_and_si256(raw, nibble), ch = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        __m256i x = _mm256_set1_epi32(xb[r][j]);
+        lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(cl, x));
+        hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(ch, x));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      s[r] = _mm256_add_epi32(_mm256_madd_epi16(hi[r], _mm256_set1_epi16(16)), _mm256_madd_epi16(lo[r], ones));
+  }
+#endif
+}
+
+// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
+void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
+  for (int b = 0; b < cols / BLOCK; ++b) {
+    vf a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
+    float amax = vhmax(vmax(vmax(vabs(a[0]), vabs(a[1])), vmax(vabs(a[2]), vabs(a[3]))));
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(vmul(a[i], vset1(inv)));
+    // saturating packs work within 128-bit lanes: 4-byte groups come out as q0a q1a q2a q3a q0b q1b q2b q3b
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * BLOCK), bytes);
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    dx[b] = amax / 127.f;
+    sx[b] = dx[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+#else
+#error "define KVB_ISA_AVX512, KVB_ISA_AVXVNNI or KVB_ISA_AVX2 (native/build.py does)"
+#endif
+
+constexpr int HALVES = TILE / VW;    // vectors per output tile
+
+inline float bf16_scalar(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// VW scales from p + i, of element type T, as floats
+template <int T>
+inline vf load_scales(const void* p, size_t i) {
+  if constexpr (T == S_BF16) {
+    return bf16_to_f32(static_cast<const uint16_t*>(p) + i);
+  } else if constexpr (T == S_F16) {
+    return f16_to_f32(static_cast<const uint16_t*>(p) + i);
+  } else {
+    return vload(static_cast<const float*>(p) + i);
+  }
+}
+
+// e^x for VW floats (x <= 88): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2 (ln 2 split in two
+// for an exact r), e^r by its Taylor polynomial of degree 6 (relative error ~1e-7), then 2^n
+// (0 below the float range).
+inline vf vexp(vf x) {
+  x = vmin(x, vset1(88.f));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfnma(n, vset1(0.693359375f), x);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  vf p = vset1(1.f / 720);
+  p = vfma(p, r, vset1(1.f / 120));
+  p = vfma(p, r, vset1(1.f / 24));
+  p = vfma(p, r, vset1(1.f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+  return vpow2_mul(p, n);
+}
+// ---- end of ISA primitives -----------------------------------------------------------------------
+
+inline float scale_at(const void* p, int type, size_t i) {
+  if (type == S_BF16) return bf16_scalar(static_cast<const uint16_t*>(p)[i]);
+  if (type == S_F16) return f16_scalar(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<const float*>(p)[i];
 }
 
 // Activations of M rows, quantized per row (quantize): row r's codes at xq + r * xq_stride, its
@@ -119,7 +347,6 @@ template <int DT, int MT, int BITS, int R>
 void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int t) {
   const int blocks = w.cols / BLOCK;
   constexpr size_t block_bytes = BITS == 4 ? 256 : 512;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
   const size_t sp = static_cast<size_t>(t) * blocks * TILE;
   const int32_t* xw[R];
@@ -129,32 +356,26 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
     dx[r] = a.dx + static_cast<size_t>(r0 + r) * a.s_stride;
     sx[r] = a.sx + static_cast<size_t>(r0 + r) * a.s_stride;
   }
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int b = 0; b < blocks; ++b, wp += block_bytes) {
-    __m512i v[8];
-    if constexpr (BITS == 4) {
-      for (int j = 0; j < 4; ++j) {             // 8 columns: low nibbles 8j..8j+3, high 8j+4..8j+7
-        __m512i raw = _mm512_loadu_si512(wp + j * 64);
-        v[2 * j] = _mm512_and_si512(raw, nibble);
-        v[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+  for (int h = 0; h < HALVES; ++h) {         // one output vector (VW rows of the tile) at a time
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vzero();
+    const int32_t* xb[R];
+    vi s[R];
+    const uint8_t* wb = wp;
+    for (int b = 0; b < blocks; ++b, wb += block_bytes) {
+      for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
+      dot_block<BITS, R>(wb, h, xb, s);
+      const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW);
+      const vf mv = load_scales<MT>(w.m, sp + b * TILE + h * VW);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = vfma(vcvt(s[r]), vmul(dv, vset1(dx[r][b])), acc[r]);
+        acc[r] = vfma(mv, vset1(sx[r][b]), acc[r]);
       }
-    } else {
-      for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(wp + j * 64);   // 4 columns 4j..4j+3 each
     }
-    const __m512 dv = load_scales<DT>(w.d, sp + b * TILE);
-    const __m512 mv = load_scales<MT>(w.m, sp + b * TILE);
     for (int r = 0; r < R; ++r) {
-      const int32_t* xb = xw[r] + b * (BLOCK / 4);
-      __m512i s = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(xb[j]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r][b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r][b]), acc[r]);
+      if (w.bias) acc[r] = vadd(acc[r], vload(w.bias + t * TILE + h * VW));
+      vstore(y + static_cast<size_t>(r0 + r) * y_stride + t * TILE + h * VW, acc[r]);
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    if (w.bias) acc[r] = _mm512_add_ps(acc[r], _mm512_loadu_ps(w.bias + t * TILE));
-    _mm512_storeu_ps(y + static_cast<size_t>(r0 + r) * y_stride + t * TILE, acc[r]);
   }
 }
 
@@ -201,21 +422,21 @@ void f32_block(const QMat& w, const Acts& a, int r0, int n0, float* y, int y_str
   const int k = w.cols;
   const float* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.x + static_cast<size_t>(r0 + r) * a.x_stride;
-  __m512 s[WR][R];
+  vf s[WR][R];
   for (int i = 0; i < WR; ++i)
-    for (int r = 0; r < R; ++r) s[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) s[i][r] = vzero();
   int c = 0;
-  for (; c + 16 <= k; c += 16) {
-    __m512 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + c);
+  for (; c + VW <= k; c += VW) {
+    vf xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = vload(x[r] + c);
     for (int i = 0; i < WR; ++i) {
-      __m512 wv = _mm512_loadu_ps(base + i * k + c);
-      for (int r = 0; r < R; ++r) s[i][r] = _mm512_fmadd_ps(wv, xv[r], s[i][r]);
+      vf wv = vload(base + i * k + c);
+      for (int r = 0; r < R; ++r) s[i][r] = vfma(wv, xv[r], s[i][r]);
     }
   }
   for (int i = 0; i < WR; ++i)
     for (int r = 0; r < R; ++r) {
-      float t = _mm512_reduce_add_ps(s[i][r]);
+      float t = vsum(s[i][r]);
       for (int cc = c; cc < k; ++cc) t += base[i * k + cc] * x[r][cc];
       y[static_cast<size_t>(r0 + r) * y_stride + n0 + i] = t + (w.bias ? w.bias[n0 + i] : 0.f);
     }
@@ -287,40 +508,21 @@ void rotate(float* v, const float* cos, const float* sin, int dim) {
 }
 
 inline float dot(const float* a, const float* b, int n) {
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = vzero();
   int i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float s = _mm512_reduce_add_ps(acc);
+  for (; i + VW <= n; i += VW) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-// e^x for 16 floats (x <= 88): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2 (ln 2 split in two
-// for an exact r), e^r by its Taylor polynomial of degree 6 (relative error ~1e-7), 2^n by vscalefps
-// (which gives 0 below the float range).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // SiLU(g) * u over n values
 void silu_mul(const float* g, const float* u, int n, float* out) {
   int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 gv = _mm512_loadu_ps(g + i);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + i)));
+  for (; i + VW <= n; i += VW) {
+    vf gv = vload(g + i);
+    vf e = vexp(vsub(vzero(), gv));
+    vstore(out + i, vmul(vdiv(gv, vadd(vset1(1.f), e)), vload(u + i)));
   }
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
@@ -507,19 +709,18 @@ struct Decoder {
       sc[i] = dot(q, kbase + slots[k0 + i] * st[3], head_dim) * scaling;
       top = std::max(top, sc[i]);
     }
-    const __m512 tv = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
+    const vf tv = vset1(top);
+    vf sum = vzero();
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + i), tv));
-      _mm512_storeu_ps(sc + i, e);
-      sum = _mm512_add_ps(sum, e);
+    for (; i + VW <= n; i += VW) {
+      vf e = vexp(vsub(vload(sc + i), tv));
+      vstore(sc + i, e);
+      sum = vadd(sum, e);
     }
     if (i < n) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + i), tv));
-      _mm512_mask_storeu_ps(sc + i, mask, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+      vf e = vexp(vsub(vload_n(sc + i, n - i), tv));
+      vstore_n(sc + i, e, n - i);
+      sum = vadd(sum, vkeep_n(e, n - i));
     }
     float* out = part_o.data() + static_cast<size_t>(task) * head_dim;
     std::memset(out, 0, sizeof(float) * head_dim);
@@ -529,7 +730,7 @@ struct Decoder {
       for (int c = 0; c < head_dim; ++c) out[c] += wgt * v[c];
     }
     part_ml[2 * static_cast<size_t>(task)] = top;
-    part_ml[2 * static_cast<size_t>(task) + 1] = _mm512_reduce_add_ps(sum);
+    part_ml[2 * static_cast<size_t>(task) + 1] = vsum(sum);
   }
 
   // Row r's attention output for every head from its blocks' partials (tasks from `base`, nb per head).
@@ -718,7 +919,10 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 5; }
+int kvb_abi_version() { return 6; }
+
+// the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
+const char* kvb_isa() { return ISA_NAME; }
 
 // sizeof MatArgs, LayerArgs, ModelArgs, Row (which 0..3): the loader checks abi.py lays them out alike
 int64_t kvb_struct_size(int which) {

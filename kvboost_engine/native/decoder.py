@@ -157,6 +157,7 @@ class NativeDecoder:
                               self._hold(plain.final_norm.float()), abi.mat_args(head, self._hold))
         self._handle = lib.kvb_decoder_new(ctypes.byref(model))
         self.threads = threads
+        self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
         rope = str(adapter.rope_settings().get("rope_type", "default"))
         self._static_rope = rope in STATIC_ROPE
         self._cos = self._sin = None
@@ -254,12 +255,14 @@ class NativeDecoder:
             pass
 
 
-def native_decoder(adapter: ModelAdapter, threads: int | None = None) -> tuple[NativeDecoder | None, str | None]:
-    """(a decoder, None) for this model on this machine, or (None, why not)."""
+def native_decoder(adapter: ModelAdapter, threads: int | None = None,
+                   isa: str | None = None) -> tuple[NativeDecoder | None, str | None]:
+    """(a decoder, None) for this model on this machine, or (None, why not); isa: the instruction-set
+    variant (build.ISAS; default: $KVBOOST_NATIVE_ISA, else the best this CPU runs)."""
     reason = unsupported_reason(adapter)
     if reason is not None:
         return None, reason
-    lib, reason = build.load()
+    lib, reason = build.load(isa)
     if lib is None:
         return None, reason
     return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
