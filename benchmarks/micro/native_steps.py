@@ -22,6 +22,11 @@ llama.cpp (benchmarks/llama_tools.sh; the same file, same threads):
 
 Run alone (about 10 minutes on 2 cores, most of it the 1.7b model's 4,096-token contexts):
   OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.native_steps [--model default,1.7b] [--depths 0,512,4096]
+Instruction-set variants (#29): `--isa avx2,avxvnni` runs our rows once per variant of the native step
+(KVBOOST_NATIVE_ISA in the child), `--llama-variant avx2` takes llama.cpp's AVX2-only build
+(benchmarks/llama_tools.sh --avx2); the fair pair is our avx2 against llama.cpp's avx2:
+  OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.native_steps --config default:int4,1.7b:q4_0 \
+      --isa avx2,avxvnni --llama-variant avx2 --out benchmarks/results/native_steps_avx2.json
 Smoke: python -m benchmarks.micro.native_steps --smoke
 Results: benchmarks/results/native_steps.json (--out); a table of ours / llama.cpp is printed.
 """
@@ -37,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..gguf_models import model_file, tools_dir
+from ..gguf_models import home, model_file, tools_dir
 from .gguf import PROMPT, _timed, _vm_kib
 
 CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",)}
@@ -87,20 +92,24 @@ def measure_ours(args) -> dict:
         out[f"context_tokens@{depth}"] = gens[0].prompt_tokens
         out[f"cold_ttft_s@{depth}"] = gens[0].ttft_s
     stats = engine.stats()
+    forced = os.environ.get("KVBOOST_NATIVE_ISA")
+    if forced and stats.get("native_isa") != forced:
+        raise SystemExit(f"KVBOOST_NATIVE_ISA={forced}, but the native step is {stats.get('native_isa')}: "
+                         f"{stats.get('native_decode_off')}")
     out.update({k: v for k, v in stats.items() if k.startswith("native") or k == "weights_format"})
     out["peak_rss_bytes"] = _vm_kib("VmHWM") * 1024
     engine.close()
     return out
 
 
-def run_ours(model: str, config: str, args) -> dict:
+def run_ours(model: str, config: str, args, isa: str = "") -> dict:
     cmd = [sys.executable, "-m", "benchmarks.micro.native_steps", "--child", config, "--model", model,
            "--threads", str(args.threads), "--repeats", str(args.repeats), "--depths", args.depths,
            "--decode-tokens", str(args.decode_tokens), "--prefill-tokens", str(args.prefill_tokens)]
-    row = {"model": model, "config": config, "side": "ours", "load_average": os.getloadavg()}
+    row = {"model": model, "config": config, "side": "ours", "isa": isa or "best", "load_average": os.getloadavg()}
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **({"KVBOOST_NATIVE_ISA": isa} if isa else {}))
     started = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {**row, "status": f"failed ({done.returncode}): " + " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]}
     return {**row, **json.loads(done.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - started}
@@ -108,7 +117,7 @@ def run_ours(model: str, config: str, args) -> dict:
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 def llama_bench(path: Path, args, extra: list[str]) -> list[dict]:
-    cmd = [str(tools_dir() / "bin" / "llama-bench"), "-t", str(args.threads), "-r", str(args.llama_repeats),
+    cmd = [str(tools_dir(args.llama_variant) / "bin" / "llama-bench"), "-t", str(args.threads), "-r", str(args.llama_repeats),
            "-m", str(path), "-o", "json", *extra]
     out, _, _, _ = _timed(cmd)
     return json.loads(out)
@@ -116,7 +125,11 @@ def llama_bench(path: Path, args, extra: list[str]) -> list[dict]:
 
 def run_llama(model: str, args) -> dict:
     path = model_file(model, "q4_0")
-    row = {"model": model, "config": "q4_0", "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg()}
+    row = {"model": model, "config": "q4_0", "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg(),
+           "isa": args.llama_variant or "native build"}
+    bench = home() / f"llama-tools-{args.llama_variant}" / "bin" / "llama-bench"
+    if args.llama_variant and not bench.is_file():         # never start a (long) build from here
+        return {**row, "status": f"{bench} missing: run benchmarks/llama_tools.sh --{args.llama_variant} first"}
     started = time.perf_counter()
     try:
         tests = llama_bench(path, args, ["-p", str(args.prefill_tokens), "-n", "0"])
@@ -147,14 +160,16 @@ def table(rows: list[dict], depths: list[int]) -> str:
         ref = llama.get(r["model"], {}) if r["side"] == "ours" else {}
         speeds = [f"{r[k]:.1f}" if k in r else "-" for k in keys]
         ratios = [f"{r[k] / ref[k]:.2f}x" if k in r and ref.get(k) else "-" for k in keys]
-        lines.append(f"| {r['model']} | {r['config']} | {r['side']} | " + " | ".join(speeds + ratios) + " |")
+        side = f"{r['side']} ({r.get('native_isa') or r.get('isa')})" if r.get("isa") else r["side"]
+        lines.append(f"| {r['model']} | {r['config']} | {side} | " + " | ".join(speeds + ratios) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default,1.7b", help=f"comma list of {', '.join(CONFIGS)}")
-    parser.add_argument("--config", default="", help="comma list of our configurations (default: all of the model's)")
+    parser.add_argument("--config", default="", help="comma list of our configurations, each CONFIG or MODEL:CONFIG "
+                        "(default: all of the model's)")
     parser.add_argument("--side", choices=("both", "ours", "llama"), default="both")
     parser.add_argument("--depths", default="0,512,4096")
     parser.add_argument("--threads", type=int, default=2)
@@ -165,6 +180,9 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="default model, depths 0,32, 4 new tokens, "
                         "a 32-token prefill, 1 repeat; written to $TMPDIR/native_steps_smoke.json")
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/native_steps.json")
+    parser.add_argument("--isa", default="", help="comma list of our native step's variants (avx512, avxvnni, "
+                        "avx2: KVBOOST_NATIVE_ISA); default: the best this CPU runs")
+    parser.add_argument("--llama-variant", default="", help="llama.cpp tools variant (avx2: the AVX2-only build)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -179,9 +197,11 @@ def main(argv=None) -> None:
     rows = []
     for model in args.model.split(","):
         if args.side in ("both", "ours"):
-            for config in [c for c in args.config.split(",") if c] or CONFIGS[model]:
-                rows.append(run_ours(model, config, args))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            wanted = [c for c in args.config.split(",") if c]
+            for config in [c for c in CONFIGS[model] if not wanted or c in wanted or f"{model}:{c}" in wanted]:
+                for isa in args.isa.split(","):
+                    rows.append(run_ours(model, config, args, isa))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.side in ("both", "llama"):
             rows.append(run_llama(model, args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
