@@ -3,7 +3,7 @@ $KVBOOST_HOME/bench-models (default ~/.cache/kvboost/bench-models) with llama.cp
 (benchmarks/llama_tools.sh: llama-quantize, convert_hf_to_gguf.py and gguf-py from the
 llama-cpp-python 0.3.36 sdist).
 
-  default  SmolLM2-135M-Instruct: the Q4_1 GGUF it ships as (Q8_0 embedding), Q4_0 and Q4_K_M
+  default  SmolLM2-135M-Instruct: the Q4_1 GGUF it ships as (Q8_0 embedding), Q4_0, Q4_K_M and Q8_0
            requants (llama-quantize --allow-requantize), and its HF directory for weights="int4"
   gemma3   Gemma 3 270M: the Q4_K_M GGUF of the named model, Q4_0 and Q4_1 requants of it, and its
            HF directory; "q4_k_m:stored" is the Q4_K_M file with weights="gguf" (Gemma loads as
@@ -26,7 +26,8 @@ from pathlib import Path
 
 STORED = ":stored"          # a format's file loaded with weights="gguf" (as stored whatever the architecture)
 GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
-MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "hf-int4"), "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
+MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "q8_0", "hf-int4"),
+                 "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
                  "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4")}
 SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                     intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
