@@ -64,6 +64,8 @@ struct Layer {
 //   vload_n zeroes the rest) vkeep_n(v, n) (lanes >= n zeroed)
 //   vadd vsub vmul vdiv vmax vmin vabs vfma(a, b, c) = a * b + c, vfnma(a, b, c) = c - a * b
 //   vsum(v) vhmax(v)                  horizontal sum / max (the order is fixed per ISA)
+//   vsum_lanes(p)                     VW vectors -> one: lane j = the sum of p[j]'s lanes (one fixed tree
+//                                     for every j, whatever the other vectors hold)
 //   vexp(v)                           e^v (v <= 88; 0 below the float range)
 //   load_scales<T>(p, i)              VW scales of ScaleType T from p + i, as floats
 //   f16_scalar(h) bf16_scalar(h)      one scale
@@ -99,6 +101,20 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+// lane j = the sum of p[j]'s lanes (j < 16), by one fixed tree, the same for every j
+inline vf vsum_lanes(const vf* p) {
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vpow2_mul(vf p, vf n) { return _mm512_scalef_ps(p, n); }     // p * 2^n (0 below the float range)
@@ -184,6 +200,16 @@ inline float vhmax(vf v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+// lane j = the sum of p[j]'s lanes (j < 8), by one fixed tree, the same for every j
+inline vf vsum_lanes(const vf* p) {
+  vf a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -527,6 +553,86 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// Heads h0 .. h0 + H of one row (queries q + h * head_dim, head_dim = D vectors) over keys 0 .. n
+// of a block of their KV head (rows at kbase / vbase + slots[i] * stride): each key and value row
+// is read from memory once for the H heads (it stays in L1 for the next head). Per head h: scores
+// (times `scaling`) into sc + h * KEY_BLOCK, then the block's top and sum of exp(score - top) into
+// ml[h][0..1], sum of exp(score - top) * value into out[h]. Each score: the query times the key row
+// vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
+// key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
+// a head depend on its query and the block's keys only.
+template <int D, int H>
+void attend_heads(const float* q, int head_dim, const float* kbase, const float* vbase, const int64_t* slots,
+                  int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
+  for (int i = 0; i < n; i += VW) {
+    const int cnt = std::min(VW, n - i);
+    const float* k[VW];
+    for (int j = 0; j < cnt; ++j) k[j] = kbase + slots[i + j] * stride;
+    for (int h = 0; h < H; ++h) {
+      vf qv[D];
+      for (int c = 0; c < D; ++c) qv[c] = vload(q + h * head_dim + VW * c);
+      vf p[VW];
+      for (int j = 0; j < VW; ++j) {
+        if (j < cnt) {
+          vf s = vmul(qv[0], vload(k[j]));
+          for (int c = 1; c < D; ++c) s = vfma(qv[c], vload(k[j] + VW * c), s);
+          p[j] = s;
+        } else {
+          p[j] = vzero();
+        }
+      }
+      const vf s = vmul(vsum_lanes(p), vset1(scaling));
+      if (cnt == VW) vstore(sc + h * KEY_BLOCK + i, s);
+      else vstore_n(sc + h * KEY_BLOCK + i, s, cnt);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    float* sh = sc + h * KEY_BLOCK;
+    vf tv = vset1(-INFINITY);
+    int i = 0;
+    for (; i + VW <= n; i += VW) tv = vmax(tv, vload(sh + i));
+    float top = vhmax(tv);
+    for (; i < n; ++i) top = std::max(top, sh[i]);
+    tv = vset1(top);
+    vf sum = vzero();
+    for (i = 0; i + VW <= n; i += VW) {
+      const vf e = vexp(vsub(vload(sh + i), tv));
+      vstore(sh + i, e);
+      sum = vadd(sum, e);
+    }
+    if (i < n) {
+      const vf e = vexp(vsub(vload_n(sh + i, n - i), tv));
+      vstore_n(sh + i, e, n - i);
+      sum = vadd(sum, vkeep_n(e, n - i));
+    }
+    ml[h][0] = top;
+    ml[h][1] = vsum(sum);
+  }
+  vf a0[H][D], a1[H][D];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < D; ++c) a0[h][c] = a1[h][c] = vzero();
+  auto add_row = [&](int j, vf (&acc)[H][D]) __attribute__((always_inline)) {
+    const float* v = vbase + slots[j] * stride;
+    vf vv[D];
+    for (int c = 0; c < D; ++c) vv[c] = vload(v + VW * c);
+    for (int h = 0; h < H; ++h) {
+      const vf w = vset1(sc[h * KEY_BLOCK + j]);
+      for (int c = 0; c < D; ++c) acc[h][c] = vfma(w, vv[c], acc[h][c]);
+    }
+  };
+  constexpr bool two = H * D <= 8;
+  int j = 0;
+  if constexpr (two) {
+    for (; j + 2 <= n; j += 2) {
+      add_row(j, a0);
+      add_row(j + 1, a1);
+    }
+  }
+  for (; j < n; ++j) add_row(j, a0);
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < D; ++c) vstore(out[h] + VW * c, two ? vadd(a0[h][c], a1[h][c]) : a0[h][c]);
+}
+
 // The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
 // short spin once a process has more OpenMP threads than cores (a second thread that ran PyTorch
 // ops is enough), which made a step of ~300 barriers 50 % slower on a thread other than the main one.
@@ -642,8 +748,9 @@ struct Decoder {
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
-  std::vector<std::vector<float>> scores;      // per thread [KEY_BLOCK]
-  std::vector<std::vector<int>> task_off;      // per thread: attention tasks before each row
+  std::vector<std::vector<float>> scores;      // per thread [4 KEY_BLOCK]
+  std::vector<std::vector<int>> task_off;      // per thread: attention partials before each row
+  std::vector<std::vector<int>> task_order;    // per thread: (row, KV head, block) of each task, in order
   std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
@@ -694,43 +801,63 @@ struct Decoder {
   int64_t first_key(const Layer& L, int64_t pos) const { return L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0; }
   static int key_blocks(int64_t first, int64_t pos) { return static_cast<int>((pos - first + KEY_BLOCK) / KEY_BLOCK); }
 
-  // Head hd of row r over its keys k0 .. k1 (one block of at most KEY_BLOCK, from the row's first
-  // key): the block's top score, sum of exp(score - top) and sum of exp(score - top) * value,
-  // into partial `task`. A row's blocks depend on its position only, never on the threads.
-  void attend_block(int layer, const Row& row, int r, int hd, int64_t k0, int64_t k1, int task, float* sc) {
+  // Heads hd0 .. hd0 + count (count <= 4, one KV head) of row r over its keys k0 .. k1 (one block of
+  // at most KEY_BLOCK, from the row's first key): per head, the block's top score, sum of
+  // exp(score - top) and sum of exp(score - top) * value into partial task0 + h * nb. A row's blocks
+  // depend on its position only, never on the threads or the other rows.
+  void attend_block(int layer, const Row& row, int r, int hd0, int count, int64_t k0, int64_t k1, int task0, int nb,
+                    float* sc) {
     const int64_t* st = row.st;
-    const int64_t* slots = row.slots;
-    const float* q = qkv.data() + static_cast<size_t>(r) * qkv_w + hd * head_dim;
-    const float* kbase = row.kv + layer * st[1] + (hd / (heads / kv_heads)) * st[2];
+    const int64_t* slots = row.slots + k0;
+    const float* q = qkv.data() + static_cast<size_t>(r) * qkv_w + hd0 * head_dim;
+    const float* kbase = row.kv + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
     const float* vbase = kbase + st[0];
     const int n = static_cast<int>(k1 - k0);
-    float top = -INFINITY;
-    for (int i = 0; i < n; ++i) {
-      sc[i] = dot(q, kbase + slots[k0 + i] * st[3], head_dim) * scaling;
-      top = std::max(top, sc[i]);
+    float* out[4];
+    float* ml[4];
+    for (int h = 0; h < count; ++h) {
+      out[h] = part_o.data() + static_cast<size_t>(task0 + h * nb) * head_dim;
+      ml[h] = part_ml.data() + 2 * static_cast<size_t>(task0 + h * nb);
     }
-    const vf tv = vset1(top);
-    vf sum = vzero();
-    int i = 0;
-    for (; i + VW <= n; i += VW) {
-      vf e = vexp(vsub(vload(sc + i), tv));
-      vstore(sc + i, e);
-      sum = vadd(sum, e);
+    const int D = head_dim / VW;
+#define KVB_HEADS(DD)                                                                                      \
+    switch (count) {                                                                                       \
+      case 1: return attend_heads<DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 2: return attend_heads<DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 3: return attend_heads<DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      default: return attend_heads<DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
     }
-    if (i < n) {
-      vf e = vexp(vsub(vload_n(sc + i, n - i), tv));
-      vstore_n(sc + i, e, n - i);
-      sum = vadd(sum, vkeep_n(e, n - i));
+    if (head_dim == D * VW) {
+      switch (D) {
+        case 1: KVB_HEADS(1)
+        case 2: KVB_HEADS(2)
+        case 4: KVB_HEADS(4)
+        case 8: KVB_HEADS(8)
+        case 16: KVB_HEADS(16)
+        default: break;
+      }
     }
-    float* out = part_o.data() + static_cast<size_t>(task) * head_dim;
-    std::memset(out, 0, sizeof(float) * head_dim);
-    for (int j = 0; j < n; ++j) {
-      const float* v = vbase + slots[k0 + j] * st[3];
-      const float wgt = sc[j];
-      for (int c = 0; c < head_dim; ++c) out[c] += wgt * v[c];
+#undef KVB_HEADS
+    for (int h = 0; h < count; ++h) {         // other head sizes: one head at a time, in columns
+      const float* qh = q + h * head_dim;
+      float top = -INFINITY;
+      for (int i = 0; i < n; ++i) {
+        sc[i] = dot(qh, kbase + slots[i] * st[3], head_dim) * scaling;
+        top = std::max(top, sc[i]);
+      }
+      float sum = 0.f;
+      for (int i = 0; i < n; ++i) {
+        sc[i] = std::exp(sc[i] - top);
+        sum += sc[i];
+      }
+      std::memset(out[h], 0, sizeof(float) * head_dim);
+      for (int j = 0; j < n; ++j) {
+        const float* v = vbase + slots[j] * st[3];
+        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * v[c];
+      }
+      ml[h][0] = top;
+      ml[h][1] = sum;
     }
-    part_ml[2 * static_cast<size_t>(task)] = top;
-    part_ml[2 * static_cast<size_t>(task) + 1] = vsum(sum);
   }
 
   // Row r's attention output for every head from its blocks' partials (tasks from `base`, nb per head).
@@ -753,7 +880,7 @@ struct Decoder {
     }
   }
 
-  // Attention of the M rows (their K and V written): (row, head, key block) tasks split across the
+  // Attention of the M rows (their K and V written): (row, KV head, key block) tasks split across the
   // threads, so heads and keys of a long context share the cores; then each row's partials combined.
   void attention(int l, const Row* rows, int M, int id, int n) {
     const Layer& L = stack[l];
@@ -761,16 +888,29 @@ struct Decoder {
     off.resize(M + 1);
     off[0] = 0;
     for (int r = 0; r < M; ++r) off[r + 1] = off[r] + heads * key_blocks(first_key(L, rows[r].pos), rows[r].pos);
+    // Tasks (row, KV head, key block), each all the heads of its KV head, run in the order: key block,
+    // KV head, row (the rows over the same keys, as the rows of a shared prefix, one after another
+    // while those keys are in cache); split across the threads in that order.
+    std::vector<int>& order = task_order[id];
+    order.clear();
+    int most = 0;
+    for (int r = 0; r < M; ++r) most = std::max(most, (off[r + 1] - off[r]) / heads);
+    for (int b = 0; b < most; ++b)
+      for (int g = 0; g < kv_heads; ++g)
+        for (int r = 0; r < M; ++r)
+          if ((off[r + 1] - off[r]) / heads > b) order.insert(order.end(), {r, g, b});
+    const int group = heads / kv_heads;
     int a0, a1;
-    split(off[M], id, n, &a0, &a1);
-    int r = static_cast<int>(std::upper_bound(off.begin(), off.end(), a0) - off.begin()) - 1;
-    for (int task = a0; task < a1; ++task) {
-      while (task >= off[r + 1]) ++r;
-      const int64_t first = first_key(L, rows[r].pos);
-      const int nb = key_blocks(first, rows[r].pos);
-      const int hd = (task - off[r]) / nb, blk = (task - off[r]) % nb;
-      const int64_t k0 = first + static_cast<int64_t>(blk) * KEY_BLOCK;
-      attend_block(l, rows[r], r, hd, k0, std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK), task, scores[id].data());
+    split(static_cast<int>(order.size() / 3), id, n, &a0, &a1);
+    for (int i = a0; i < a1; ++i) {
+      const int r = order[3 * i], g = order[3 * i + 1], blk = order[3 * i + 2];
+      const int nb = (off[r + 1] - off[r]) / heads;
+      const int64_t k0 = first_key(L, rows[r].pos) + static_cast<int64_t>(blk) * KEY_BLOCK;
+      const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
+      for (int hd = g * group; hd < (g + 1) * group; hd += 4) {
+        const int count = std::min(4, (g + 1) * group - hd);
+        attend_block(l, rows[r], r, hd, count, k0, k1, off[r] + hd * nb + blk, nb, scores[id].data());
+      }
     }
     team.barrier(n);
     for (int r2 = id; r2 < M; r2 += n) {
@@ -959,8 +1099,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
   dec->xq_w = widest + 64; dec->s_w = widest / BLOCK + 1;
   dec->reserve(1);
-  dec->scores.assign(std::max(dec->team.size(), 64), std::vector<float>(KEY_BLOCK));   // per thread (an OpenMP
-  dec->task_off.resize(dec->scores.size());                                            // team may differ in size)
+  dec->scores.assign(std::max(dec->team.size(), 64), std::vector<float>(4 * KEY_BLOCK));   // per thread (an OpenMP
+  dec->task_off.resize(dec->scores.size());
+  dec->task_order.resize(dec->scores.size());                                            // team may differ in size)
   return dec;
 }
 
