@@ -440,8 +440,9 @@ void gemm(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, i
 }
 
 // Weight rows n0 .. n0 + WR of a float32 W [rows, cols] (row-major) times activation rows
-// r0 .. r0 + R: every (weight row, activation row) pair is one chain of FMAs over 16-column
-// steps, reduced, then the remaining columns and the bias added, whatever WR and R.
+// r0 .. r0 + R: every (weight row, activation row) pair is one chain of FMAs over VW-column
+// steps, its lanes added by vsum_lanes (VW pairs at a time; each pair's lanes by the same tree
+// whatever the other pairs), then the remaining columns and the bias added, whatever WR and R.
 template <int WR, int R>
 void f32_block(const QMat& w, const Acts& a, int r0, int n0, float* y, int y_stride) {
   const float* base = reinterpret_cast<const float*>(w.codes) + static_cast<size_t>(n0) * w.cols;
@@ -460,9 +461,16 @@ void f32_block(const QMat& w, const Acts& a, int r0, int n0, float* y, int y_str
       for (int r = 0; r < R; ++r) s[i][r] = vfma(wv, xv[r], s[i][r]);
     }
   }
+  constexpr int P = WR * R, G = (P + VW - 1) / VW;
+  float sums[G * VW];
+  for (int g = 0; g < G; ++g) {
+    vf p[VW];
+    for (int j = 0; j < VW; ++j) p[j] = g * VW + j < P ? s[(g * VW + j) / R][(g * VW + j) % R] : vzero();
+    vstore(sums + g * VW, vsum_lanes(p));
+  }
   for (int i = 0; i < WR; ++i)
     for (int r = 0; r < R; ++r) {
-      float t = vsum(s[i][r]);
+      float t = sums[i * R + r];
       for (int cc = c; cc < k; ++cc) t += base[i * k + cc] * x[r][cc];
       y[static_cast<size_t>(r0 + r) * y_stride + n0 + i] = t + (w.bias ? w.bias[n0 + i] : 0.f);
     }
