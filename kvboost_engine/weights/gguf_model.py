@@ -72,15 +72,16 @@ def stored_by_default(gguf_path: Path) -> bool:
 
 
 def packed_gguf_dir(gguf_path: Path) -> Path:
-    """The repacked cache dir of a .gguf (built once; keyed by path, size, mtime and the pack version)."""
-    summary = check_gguf(gguf_path)                             # refusals first, header only
-    if summary.architecture not in DIRECT_ARCHITECTURES:
-        raise InputError(f"GGUF architecture {summary.architecture!r} is not loaded as stored "
-                         f"(direct: {', '.join(DIRECT_ARCHITECTURES)})")
+    """The repacked cache dir of a .gguf (built once; keyed by path, size, mtime and the pack version:
+    a cached dir is of a file checked when it was packed, so its header is not parsed again)."""
     stat = gguf_path.stat()
     ident = xxhash.xxh64_hexdigest(f"{PACK_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "packed" / f"{gguf_path.stem}-{ident}"
     if not is_packed_dir(target):
+        summary = check_gguf(gguf_path)                         # refusals first, header only
+        if summary.architecture not in DIRECT_ARCHITECTURES:
+            raise InputError(f"GGUF architecture {summary.architecture!r} is not loaded as stored "
+                             f"(direct: {', '.join(DIRECT_ARCHITECTURES)})")
         # repacked one tensor at a time: the load after it maps about this much (module docstring of gguf_repack)
         check_fits(int(summary.weight_bytes * REPACK_GROWTH), f"{gguf_path.name} repacked")
         target.parent.mkdir(parents=True, exist_ok=True)
