@@ -35,6 +35,8 @@ namespace {
 constexpr int TILE = 16;     // output rows per tile
 constexpr int BLOCK = 32;    // input columns per block (one activation scale, one weight scale per row)
 constexpr int KEY_BLOCK = 256;  // keys per attention task (a long context's keys split across threads)
+constexpr size_t PREFETCH = 2048;   // bytes of weight codes asked for ahead of the block in use (the
+                                    // hardware prefetcher alone left int4 products 20 % slower)
 
 enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2 };   // element type of a matrix's d and m
 
@@ -389,6 +391,8 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
     vi s[R];
     const uint8_t* wb = wp;
     for (int b = 0; b < blocks; ++b, wb += block_bytes) {
+      if (h == 0)                              // the codes PREFETCH bytes on (the next tile's near a tile's end)
+        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH + line), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
       dot_block<BITS, R>(wb, h, xb, s);
       const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW);
