@@ -140,3 +140,6 @@ def test_default_load_as_stored_only_where_the_native_step_runs_it(tmp_path, mon
     assert not gguf_model.stored_by_default(gemma)         # the PyTorch loop would decode every matrix per token
     monkeypatch.setattr(gguf_model, "available_bytes", lambda: 1_000)     # a float32 copy cannot fit
     assert gguf_model.stored_by_default(gemma)
+    from kvboost_engine.weights.gguf_header import read_architecture
+    assert read_architecture(llama.read_bytes()[:1 << 16]) == "llama"
+    assert read_architecture(b"GGUF") is None and read_architecture(b"not a gguf") is None

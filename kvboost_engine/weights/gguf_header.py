@@ -113,3 +113,21 @@ def read_header(buf) -> Header:
         raise InputError(f"general.alignment {alignment} is not a power of two")
     data_start = -(-cursor.pos // alignment) * alignment
     return Header(version, fields, tensors, data_start, alignment)
+
+
+def read_architecture(buf) -> str | None:
+    """general.architecture from the metadata before it in `buf` (the start of a GGUF file), without
+    the rest of the header: llama.cpp writes that key first. None where `buf` ends before it."""
+    try:
+        cursor = _Cursor(buf)
+        if bytes(buf[cursor.need(4, "the magic"):4]) != GGUF_MAGIC or cursor.unpack("<I", "the version") not in (2, 3):
+            return None
+        cursor.unpack("<Q", "the tensor count")
+        for index in range(cursor.unpack("<Q", "the metadata count")):
+            key = cursor.string(f"metadata key {index}")
+            value = cursor.value(cursor.unpack("<I", key), key)
+            if key == "general.architecture":
+                return value if isinstance(value, str) else None
+    except InputError:
+        return None
+    return None

@@ -33,6 +33,7 @@ from ..model.building import building_model
 from ..paths import build_lock, cache_home
 from .gguf_blocks import dequantize
 from .gguf_file import GGUFFile, check_gguf
+from .gguf_header import read_architecture
 from .gguf_repack import repack, unpermute_rows
 from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
@@ -59,6 +60,9 @@ def stored_by_default(gguf_path: Path) -> bool:
     as stored run the PyTorch layer loop, which decodes every matrix on every forward (seconds a
     token), so they load as float32, dequantized once, unless that copy would not fit the memory
     available: then as stored is the only way to run them. weights="gguf" / "fp32" choose."""
+    with open(gguf_path, "rb") as f:
+        if read_architecture(f.read(1 << 16)) in NATIVE_ARCHITECTURES:    # not the whole header (vocabulary)
+            return True
     file = GGUFFile(gguf_path)
     if file.architecture in NATIVE_ARCHITECTURES:
         return True
