@@ -114,3 +114,45 @@ def test_forward_batch_takes_the_native_step_with_serial_numbers(tmp_path, weigh
         items = [(kv, [PROMPT[n - 1]], n) for kv, n in zip(together[:2], lengths[:2])] + [(together[2], PROMPT[:6], 13)]
         got = forward.batch(items, [True, True, True])
     assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+@pytest.mark.parametrize("model_type,overrides", [ARCHS[0], ARCHS[3]], ids=[ARCH_IDS[0], ARCH_IDS[3]])
+def test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, model_type, overrides):
+    """Sequences mapping the same cached blocks (a shared prompt of 300 tokens: a whole key block of
+    256 and part of the next) read those keys once in one attention task for all their rows; each row's
+    logits and KV stay bit-identical to its own step, including rows at the same and at other positions."""
+    from kvboost_engine.kv.paged import PagedSequence
+    from kvboost_engine.kv.pool import BlockPool
+    model = make(weights, model_type, overrides, tmp_path)
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    shared = [(7 * i + 3) % 900 + 5 for i in range(300)]
+    tails = [[11, 12], [13, 14], [15], [16, 17, 18], [11, 12]]          # the first and last: same tokens
+
+    def sequences():
+        pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
+        base = PagedSequence(pool, 320)
+        base.reserve()
+        decoder.prefill(base, shared, 0)
+        out = []
+        for tail in tails:
+            seq = PagedSequence(pool, 320)
+            seq.map_shared(base.cache_blocks(0, 300))
+            seq.reserve()
+            decoder.prefill(seq, tail, 300)
+            out.append(seq)
+        return out
+
+    with torch.inference_mode():
+        serial, batch = sequences(), sequences()
+        positions = [300 + len(t) for t in tails]
+        for step in range(3):
+            tokens = [20 + i + step for i in range(len(tails))]
+            want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
+            got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
+            for w, g in zip(want, got):
+                assert torch.equal(w, g)
+    for a, b, p in zip(serial, batch, positions):
+        assert all(torch.equal(x, y) for x, y in zip(_kv_state(a, adapter, p + 3), _kv_state(b, adapter, p + 3)))

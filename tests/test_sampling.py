@@ -53,3 +53,24 @@ def test_min_new_tokens_keeps_eos_out_of_reach_until_reached():
 def test_bad_parameters_are_input_errors(bad):
     with pytest.raises(InputError):
         SamplingParams.build(**bad)
+
+
+@pytest.mark.parametrize("min_new", [0, 5])
+def test_the_copy_free_greedy_path_picks_what_adjust_and_pick_pick(min_new):
+    """Sampler.greedy (no copy of the logits) against adjust + pick, with an end token that is the
+    maximum, ties with it before and after, and past min_new_tokens."""
+    params = SamplingParams.build(max_new_tokens=8, min_new_tokens=min_new)
+    sampler = Sampler(params, torch.device("cpu"), eos_ids={2, 7})
+    cases = [torch.tensor([0.0, 1.0, 5.0, 3.0, 0.0, 0.0, 0.0, 4.0]),     # an end token is the maximum
+             torch.tensor([0.0, 1.0, 5.0, 5.0, 0.0, 0.0, 0.0, 4.0]),     # an end token ties before another
+             torch.tensor([0.0, 5.0, 5.0, 3.0, 0.0, 0.0, 0.0, 5.0]),     # a plain token ties before end tokens
+             torch.tensor([0.0, 1.0, 2.0, 3.0, 9.0, 0.0, 0.0, 4.0])]
+    for logits in cases:
+        for generated in (0, 6):
+            expected = sampler.pick(sampler.adjust(logits, generated))
+            fast = sampler.greedy(logits, generated)
+            assert fast is None or fast == expected
+            if generated >= min_new or int(torch.argmax(logits)) not in (2, 7):
+                assert fast == expected                         # the copy-free path served it
+    hot = Sampler(SamplingParams.build(temperature=0.7), torch.device("cpu"))
+    assert hot.greedy(cases[0]) is None                          # sampling: never this path

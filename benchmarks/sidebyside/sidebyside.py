@@ -3,6 +3,8 @@
 
     python -m benchmarks [--quick] [--readme]       (bash dev.sh bench [--quick] [--readme])
     python -m benchmarks --model gemma3-270m [--quick]     (Gemma 3 270M: completion mode)
+    python -m benchmarks --only rag --systems transformers,llamacpp-langchain,ours-engine,ours-engine-int4 \
+        --no-memory --out-dir benchmarks/results/rag_cold      (one workload, a few systems)
 
 Workloads (benchmarks.workloads): multi-turn chat replay, RAG with shuffled retrieved documents,
 coding assistant with a long system prompt and project files. Every system is built from the
@@ -49,15 +51,19 @@ MODES = {
 }
 
 
-def make_workloads(model, tokenizer, settings: dict) -> list[Workload]:
+def make_workloads(model, tokenizer, settings: dict, names: tuple = ("chat", "rag", "coding")) -> list[Workload]:
     plain = Transformers(model, tokenizer)
 
     def reply(messages):
         text = plain.answer_text(messages, settings["chat_tokens"])
         return text.split("\n")[0].strip() if plain.completion else text    # a base model runs on past its turn
-    return [chat_workload(settings["turns"], settings["chat_tokens"], reply),
-            rag_workload(settings["doc_counts"], settings["rag_questions"], settings["rag_tokens"]),
-            coding_workload(settings["coding_steps"], settings["coding_tokens"])]
+    makers = {"chat": lambda: chat_workload(settings["turns"], settings["chat_tokens"], reply),
+              "rag": lambda: rag_workload(settings["doc_counts"], settings["rag_questions"], settings["rag_tokens"]),
+              "coding": lambda: coding_workload(settings["coding_steps"], settings["coding_tokens"])}
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}: choose from {list(makers)}")
+    return [makers[n]() for n in makers if n in names]
 
 
 def build_systems(ids, model, tokenizer, baseline_attention: str) -> tuple[list, dict]:
@@ -112,7 +118,7 @@ def run(args) -> dict:
     wanted = args.systems.split(",") if args.systems else list(MAIN_SYSTEMS)
     started, load_start = time.time(), os.getloadavg()[0]
     model, tokenizer, attention = load(args.threads, args.model)
-    workloads = make_workloads(model, tokenizer, settings)
+    workloads = make_workloads(model, tokenizer, settings, tuple(args.only.split(",")) if args.only else ("chat", "rag", "coding"))
     workdir = Path(tempfile.mkdtemp(prefix="kvboost-bench-"))
     spec, memory_spec = workdir / "workloads.json", workdir / "memory-workloads.json"
     spec.write_text(json.dumps([w.to_json() for w in workloads]))
@@ -158,6 +164,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=0, help="override the mode's repeats")
     parser.add_argument("--systems", default="", help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--only", default="", help="comma-separated subset of the workloads chat,rag,coding "
+                        "(e.g. --only rag --systems transformers,llamacpp-langchain,ours-engine: the cold RAG TTFT)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--readme", action="store_true", help="rewrite README.md's results section from this run")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")

@@ -165,6 +165,11 @@ class Decoding:
 
     def _choose(self, logits) -> int:
         constraint = self.request.constraint
+        if constraint is None and self.logprobs is None:
+            token = self.sampler.greedy(logits, len(self.gen.token_ids))
+            if token is not None:
+                self.sampler.accept(token)
+                return token
         if constraint is not None:
             logits = constraint.mask(logits)
         logits = self.sampler.adjust(logits, len(self.gen.token_ids))

@@ -159,6 +159,18 @@ class Sampler:
         self.accept(token)
         return token
 
+    def greedy(self, logits: torch.Tensor, generated: int = 0) -> int | None:
+        """The greedy token without copying the logits, when no processor but min_new_tokens applies
+        (the hot path of a batched step); None where `adjust` and `pick` must run. The same token as
+        they give: an argmax that is not an end-of-sequence token is also the first maximum once
+        those are masked (an earlier end token equal to it would have been the argmax)."""
+        if self.params.temperature != 0 or self.penalties is not None:
+            return None
+        token = int(torch.argmax(logits))
+        if generated < self.params.min_new_tokens and token in self.eos_ids:
+            return None
+        return token
+
     def adjust(self, logits: torch.Tensor, generated: int = 0) -> torch.Tensor:
         """The logits after the processors (a new tensor where any applies; the input is not changed)."""
         if generated < self.params.min_new_tokens and self.eos_ids:
