@@ -66,7 +66,6 @@ struct Layer {
 //   vload_n zeroes the rest) vkeep_n(v, n) (lanes >= n zeroed)
 //   vadd vsub vmul vdiv vmax vmin vabs vfma(a, b, c) = a * b + c, vfnma(a, b, c) = c - a * b
 //   vsum(v) vhmax(v)                  horizontal sum / max (the order is fixed per ISA)
-//   vtranspose(v)                     VW vectors: v[j] lane i <-> v[i] lane j
 //   vsum_lanes(p)                     VW vectors -> one: lane j = the sum of p[j]'s lanes (one fixed tree
 //                                     for every j, whatever the other vectors hold)
 //   vexp(v)                           e^v (v <= 88; 0 below the float range)
@@ -117,28 +116,6 @@ inline vf vsum_lanes(const vf* p) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-// v[j] lane i -> v[i] lane j (a VW x VW block transposed in registers)
-inline void vtranspose(vf* v) {
-  vf a[16], b[16];
-  for (int p = 0; p < 8; ++p) {
-    a[2 * p] = _mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]);
-    a[2 * p + 1] = _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]);
-  }
-  for (int q = 0; q < 4; ++q) {           // b[4q + m], 128-bit lane L: column 4L + m of rows 4q .. 4q + 3
-    b[4 * q] = _mm512_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
-    b[4 * q + 1] = _mm512_shuffle_ps(a[4 * q], a[4 * q + 2], 0xEE);
-    b[4 * q + 2] = _mm512_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
-    b[4 * q + 3] = _mm512_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xEE);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const vf c0 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0x88), c1 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0xDD);
-    const vf c2 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0x88), c3 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0xDD);
-    v[m] = _mm512_shuffle_f32x4(c0, c2, 0x88);
-    v[8 + m] = _mm512_shuffle_f32x4(c0, c2, 0xDD);
-    v[4 + m] = _mm512_shuffle_f32x4(c1, c3, 0x88);
-    v[12 + m] = _mm512_shuffle_f32x4(c1, c3, 0xDD);
-  }
 }
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -235,24 +212,6 @@ inline vf vsum_lanes(const vf* p) {
     b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
-}
-// v[j] lane i -> v[i] lane j (a VW x VW block transposed in registers)
-inline void vtranspose(vf* v) {
-  vf a[8], b[8];
-  for (int p = 0; p < 4; ++p) {
-    a[2 * p] = _mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]);
-    a[2 * p + 1] = _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]);
-  }
-  for (int q = 0; q < 2; ++q) {           // b[4q + m], 128-bit lane L: column 4L + m of rows 4q .. 4q + 3
-    b[4 * q] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
-    b[4 * q + 1] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0xEE);
-    b[4 * q + 2] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
-    b[4 * q + 3] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xEE);
-  }
-  for (int m = 0; m < 4; ++m) {
-    v[m] = _mm256_permute2f128_ps(b[m], b[4 + m], 0x20);
-    v[4 + m] = _mm256_permute2f128_ps(b[m], b[4 + m], 0x31);
-  }
 }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -606,53 +565,40 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-constexpr int QMAX = 32;        // queries (a row's head) per attention task: their scores fit sc [QMAX, KEY_BLOCK]
-
-// Scores of QC queries (q[i]: D * VW floats) against VW keys transposed in kt (kt + d * VW: lane j =
-// key j's column d), times `scaling`, into out[i] (the first cnt lanes). Each query: two chains of
-// FMAs over the columns (even and odd), added: its numbers depend on its query and the keys only.
-template <int D, int QC>
-inline void score_keys(const float* const* q, const float* kt, float scaling, float* const* out, int cnt) {
-  vf a0[QC], a1[QC];
-  for (int i = 0; i < QC; ++i) a0[i] = a1[i] = vzero();
-  for (int d = 0; d < D * VW; d += 2) {
-    const vf k0 = vload(kt + d * VW), k1 = vload(kt + (d + 1) * VW);
-    for (int i = 0; i < QC; ++i) {
-      a0[i] = vfma(vset1(q[i][d]), k0, a0[i]);
-      a1[i] = vfma(vset1(q[i][d + 1]), k1, a1[i]);
+// Heads h0 .. h0 + H of one row (queries q + h * head_dim, head_dim = D vectors) over keys 0 .. n
+// of a block of their KV head (rows at kbase / vbase + slots[i] * stride): each key and value row
+// is read from memory once for the H heads (it stays in L1 for the next head). Per head h: scores
+// (times `scaling`) into sc + h * KEY_BLOCK, then the block's top and sum of exp(score - top) into
+// ml[h][0..1], sum of exp(score - top) * value into out[h]. Each score: the query times the key row
+// vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
+// key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
+// a head depend on its query and the block's keys only.
+template <int D, int H>
+void attend_heads(const float* q, int head_dim, const float* kbase, const float* vbase, const int64_t* slots,
+                  int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
+  for (int i = 0; i < n; i += VW) {
+    const int cnt = std::min(VW, n - i);
+    const float* k[VW];
+    for (int j = 0; j < cnt; ++j) k[j] = kbase + slots[i + j] * stride;
+    for (int h = 0; h < H; ++h) {
+      vf qv[D];
+      for (int c = 0; c < D; ++c) qv[c] = vload(q + h * head_dim + VW * c);
+      vf p[VW];
+      for (int j = 0; j < VW; ++j) {
+        if (j < cnt) {
+          vf s = vmul(qv[0], vload(k[j]));
+          for (int c = 1; c < D; ++c) s = vfma(qv[c], vload(k[j] + VW * c), s);
+          p[j] = s;
+        } else {
+          p[j] = vzero();
+        }
+      }
+      const vf s = vmul(vsum_lanes(p), vset1(scaling));
+      if (cnt == VW) vstore(sc + h * KEY_BLOCK + i, s);
+      else vstore_n(sc + h * KEY_BLOCK + i, s, cnt);
     }
   }
-  for (int i = 0; i < QC; ++i) {
-    const vf s = vmul(vadd(a0[i], a1[i]), vset1(scaling));
-    if (cnt == VW) vstore(out[i], s);
-    else vstore_n(out[i], s, cnt);
-  }
-}
-
-// out[i] = sum over keys j (in order) of w[i][j] * value row j, for QV queries (D vectors each)
-template <int D, int QV>
-inline void sum_values(const float* const* w, const float* vbase, const int64_t* slots, int64_t stride, int n,
-                       float* const* out) {
-  vf acc[QV][D];
-  for (int i = 0; i < QV; ++i)
-    for (int c = 0; c < D; ++c) acc[i][c] = vzero();
-  for (int j = 0; j < n; ++j) {
-    const float* v = vbase + slots[j] * stride;
-    vf vv[D];
-    for (int c = 0; c < D; ++c) vv[c] = vload(v + VW * c);
-    for (int i = 0; i < QV; ++i) {
-      const vf wj = vset1(w[i][j]);
-      for (int c = 0; c < D; ++c) acc[i][c] = vfma(wj, vv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < QV; ++i)
-    for (int c = 0; c < D; ++c) vstore(out[i] + VW * c, acc[i][c]);
-}
-
-// Per query of sc rows (sc + i * KEY_BLOCK, n scores): its top into ml[i][0], the scores replaced by
-// exp(score - top), their sum into ml[i][1].
-inline void block_softmax(float* sc, int Q, int n, float* const* ml) {
-  for (int h = 0; h < Q; ++h) {
+  for (int h = 0; h < H; ++h) {
     float* sh = sc + h * KEY_BLOCK;
     vf tv = vset1(-INFINITY);
     int i = 0;
@@ -674,60 +620,29 @@ inline void block_softmax(float* sc, int Q, int n, float* const* ml) {
     ml[h][0] = top;
     ml[h][1] = vsum(sum);
   }
-}
-
-// Q <= QMAX queries (q[i]: head_dim = D * VW floats) over keys 0 .. n (n <= KEY_BLOCK) of one block of
-// their KV head (rows at kbase / vbase + slots[j] * stride): per query the block's top score and sum of
-// exp(score - top) into ml[i][0..1], the sum of exp(score - top) * value rows into out[i]. The keys
-// are transposed VW at a time (into kt: D * VW * VW floats) once for every query of the call (the heads
-// of one KV head of every row over the same keys: a shared prefix's rows, a prompt chunk's), the
-// scores go to sc + i * KEY_BLOCK. A query's numbers depend on it and the block's keys only, whatever
-// else shares the call.
-template <int D>
-void attend_queries(const float* const* q, int Q, const float* kbase, const float* vbase, const int64_t* slots,
-                    int64_t stride, int n, float scaling, float* sc, float* kt, float* const* out, float* const* ml) {
-  float* so[QMAX];
-  for (int i0 = 0; i0 < n; i0 += VW) {
-    const int cnt = std::min(VW, n - i0);
-    for (int c = 0; c < D; ++c) {
-      vf t[VW];
-      for (int j = 0; j < VW; ++j) t[j] = j < cnt ? vload(kbase + slots[i0 + j] * stride + VW * c) : vzero();
-      vtranspose(t);
-      for (int d = 0; d < VW; ++d) vstore(kt + (c * VW + d) * VW, t[d]);
+  vf a0[H][D], a1[H][D];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < D; ++c) a0[h][c] = a1[h][c] = vzero();
+  auto add_row = [&](int j, vf (&acc)[H][D]) __attribute__((always_inline)) {
+    const float* v = vbase + slots[j] * stride;
+    vf vv[D];
+    for (int c = 0; c < D; ++c) vv[c] = vload(v + VW * c);
+    for (int h = 0; h < H; ++h) {
+      const vf w = vset1(sc[h * KEY_BLOCK + j]);
+      for (int c = 0; c < D; ++c) acc[h][c] = vfma(w, vv[c], acc[h][c]);
     }
-    for (int i = 0; i < Q; ++i) so[i] = sc + i * KEY_BLOCK + i0;
-    int i = 0;
-    for (; i + 8 <= Q; i += 8) score_keys<D, 8>(q + i, kt, scaling, so + i, cnt);
-    if (i + 4 <= Q) { score_keys<D, 4>(q + i, kt, scaling, so + i, cnt); i += 4; }
-    if (i + 2 <= Q) { score_keys<D, 2>(q + i, kt, scaling, so + i, cnt); i += 2; }
-    if (i < Q) score_keys<D, 1>(q + i, kt, scaling, so + i, cnt);
-  }
-  block_softmax(sc, Q, n, ml);
-  constexpr int QV = D >= 16 ? 1 : D >= 8 ? 2 : 4;        // accumulators QV * D <= 16 registers
-  const float* w[QMAX];
-  for (int i = 0; i < Q; ++i) w[i] = sc + i * KEY_BLOCK;
-  int i = 0;
-  for (; i + QV <= Q; i += QV) sum_values<D, QV>(w + i, vbase, slots, stride, n, out + i);
-  for (; i < Q; ++i) sum_values<D, 1>(w + i, vbase, slots, stride, n, out + i);
-}
-
-// The same for any head_dim (not a multiple of VW): one query at a time, scores by `dot`.
-void attend_queries_any(const float* const* q, int Q, int head_dim, const float* kbase, const float* vbase,
-                        const int64_t* slots, int64_t stride, int n, float scaling, float* sc, float* const* out,
-                        float* const* ml) {
-  for (int h = 0; h < Q; ++h) {
-    float* sh = sc + h * KEY_BLOCK;
-    for (int i = 0; i < n; ++i) sh[i] = dot(q[h], kbase + slots[i] * stride, head_dim) * scaling;
-  }
-  block_softmax(sc, Q, n, ml);
-  for (int h = 0; h < Q; ++h) {
-    const float* sh = sc + h * KEY_BLOCK;
-    std::memset(out[h], 0, sizeof(float) * head_dim);
-    for (int j = 0; j < n; ++j) {
-      const float* v = vbase + slots[j] * stride;
-      for (int c = 0; c < head_dim; ++c) out[h][c] += sh[j] * v[c];
+  };
+  constexpr bool two = H * D <= 8;
+  int j = 0;
+  if constexpr (two) {
+    for (; j + 2 <= n; j += 2) {
+      add_row(j, a0);
+      add_row(j + 1, a1);
     }
   }
+  for (; j < n; ++j) add_row(j, a0);
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < D; ++c) vstore(out[h] + VW * c, two ? vadd(a0[h][c], a1[h][c]) : a0[h][c]);
 }
 
 // The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
@@ -845,12 +760,9 @@ struct Decoder {
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
-  std::vector<std::vector<float>> scores;      // per thread [QMAX, KEY_BLOCK]
-  std::vector<std::vector<float>> keys_t;      // per thread: a key block's VW keys transposed [head_dim, VW]
+  std::vector<std::vector<float>> scores;      // per thread [4 KEY_BLOCK]
   std::vector<std::vector<int>> task_off;      // per thread: attention partials before each row
-  std::vector<std::vector<int>> task_order;    // per thread: (block, KV head, first row, rows) of each task
-  std::vector<std::vector<int>> task_rows;     // per thread: the rows of every task
-  std::vector<std::vector<char>> task_taken;   // per thread: rows already in a task of this block
+  std::vector<std::vector<int>> task_order;    // per thread: (row, KV head, block) of each task, in order
   std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
@@ -901,51 +813,63 @@ struct Decoder {
   int64_t first_key(const Layer& L, int64_t pos) const { return L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0; }
   static int key_blocks(int64_t first, int64_t pos) { return static_cast<int>((pos - first + KEY_BLOCK) / KEY_BLOCK); }
 
-  // Whether rows a and b read the same keys k0 .. k1 (the same KV memory: buffer, strides and slots)
-  static bool same_keys(const Row& a, const Row& b, int64_t k0, int64_t k1) {
-    if (a.kv != b.kv) return false;
-    if (a.st != b.st && std::memcmp(a.st, b.st, 4 * sizeof(int64_t)) != 0) return false;
-    return a.slots == b.slots || std::memcmp(a.slots + k0, b.slots + k0, sizeof(int64_t) * (k1 - k0)) == 0;
-  }
-
-  // The heads of KV head g of rows grp[0 .. R) (which read the same keys k0 .. k1, block blk of each)
-  // over those keys: per (row, head) the partial at off[r] + head * nb(r) + blk, QMAX queries a call.
-  void attend_task(int layer, const Row* rows, const int* grp, int R, int g, int64_t k0, int64_t k1, int blk,
-                   const int* off, float* sc, float* kt) {
-    const Row& lead = rows[grp[0]];
-    const int64_t* st = lead.st;
-    const int64_t* slots = lead.slots + k0;
-    const float* kbase = lead.kv + layer * st[1] + g * st[2];
+  // Heads hd0 .. hd0 + count (count <= 4, one KV head) of row r over its keys k0 .. k1 (one block of
+  // at most KEY_BLOCK, from the row's first key): per head, the block's top score, sum of
+  // exp(score - top) and sum of exp(score - top) * value into partial task0 + h * nb. A row's blocks
+  // depend on its position only, never on the threads or the other rows.
+  void attend_block(int layer, const Row& row, int r, int hd0, int count, int64_t k0, int64_t k1, int task0, int nb,
+                    float* sc) {
+    const int64_t* st = row.st;
+    const int64_t* slots = row.slots + k0;
+    const float* q = qkv.data() + static_cast<size_t>(r) * qkv_w + hd0 * head_dim;
+    const float* kbase = row.kv + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
     const float* vbase = kbase + st[0];
-    const int n = static_cast<int>(k1 - k0), group = heads / kv_heads, D = head_dim / VW;
-    const float* q[QMAX];
-    float* out[QMAX];
-    float* ml[QMAX];
-    int Q = 0;
-    auto run = [&] {
-      if (head_dim == D * VW) {
-        switch (D) {
-          case 1: return attend_queries<1>(q, Q, kbase, vbase, slots, st[3], n, scaling, sc, kt, out, ml);
-          case 2: return attend_queries<2>(q, Q, kbase, vbase, slots, st[3], n, scaling, sc, kt, out, ml);
-          case 4: return attend_queries<4>(q, Q, kbase, vbase, slots, st[3], n, scaling, sc, kt, out, ml);
-          case 8: return attend_queries<8>(q, Q, kbase, vbase, slots, st[3], n, scaling, sc, kt, out, ml);
-          case 16: return attend_queries<16>(q, Q, kbase, vbase, slots, st[3], n, scaling, sc, kt, out, ml);
-          default: break;
-        }
-      }
-      attend_queries_any(q, Q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
-    };
-    for (int i = 0; i < R; ++i) {
-      const int r = grp[i], nb = (off[r + 1] - off[r]) / heads;
-      for (int hd = g * group; hd < (g + 1) * group; ++hd) {
-        const size_t task = static_cast<size_t>(off[r] + hd * nb + blk);
-        q[Q] = qkv.data() + static_cast<size_t>(r) * qkv_w + hd * head_dim;
-        out[Q] = part_o.data() + task * head_dim;
-        ml[Q] = part_ml.data() + 2 * task;
-        if (++Q == QMAX) { run(); Q = 0; }
+    const int n = static_cast<int>(k1 - k0);
+    float* out[4];
+    float* ml[4];
+    for (int h = 0; h < count; ++h) {
+      out[h] = part_o.data() + static_cast<size_t>(task0 + h * nb) * head_dim;
+      ml[h] = part_ml.data() + 2 * static_cast<size_t>(task0 + h * nb);
+    }
+    const int D = head_dim / VW;
+#define KVB_HEADS(DD)                                                                                      \
+    switch (count) {                                                                                       \
+      case 1: return attend_heads<DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 2: return attend_heads<DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 3: return attend_heads<DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      default: return attend_heads<DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+    }
+    if (head_dim == D * VW) {
+      switch (D) {
+        case 1: KVB_HEADS(1)
+        case 2: KVB_HEADS(2)
+        case 4: KVB_HEADS(4)
+        case 8: KVB_HEADS(8)
+        case 16: KVB_HEADS(16)
+        default: break;
       }
     }
-    if (Q) run();
+#undef KVB_HEADS
+    for (int h = 0; h < count; ++h) {         // other head sizes: one head at a time, in columns
+      const float* qh = q + h * head_dim;
+      float top = -INFINITY;
+      for (int i = 0; i < n; ++i) {
+        sc[i] = dot(qh, kbase + slots[i] * st[3], head_dim) * scaling;
+        top = std::max(top, sc[i]);
+      }
+      float sum = 0.f;
+      for (int i = 0; i < n; ++i) {
+        sc[i] = std::exp(sc[i] - top);
+        sum += sc[i];
+      }
+      std::memset(out[h], 0, sizeof(float) * head_dim);
+      for (int j = 0; j < n; ++j) {
+        const float* v = vbase + slots[j] * st[3];
+        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * v[c];
+      }
+      ml[h][0] = top;
+      ml[h][1] = sum;
+    }
   }
 
   // Row r's attention output for every head from its blocks' partials (tasks from `base`, nb per head).
@@ -968,75 +892,37 @@ struct Decoder {
     }
   }
 
-  // Attention of the M rows (their K and V written). A task: one key block of the rows that read the
-  // same keys there (rows over a shared prefix, a prompt chunk's rows; up to QMAX queries), one KV head:
-  // the keys are read and transposed once for all of them. Tasks run in the order key block, KV head,
-  // group, split across the threads by their size; then each row's partials are combined.
+  // Attention of the M rows (their K and V written): (row, KV head, key block) tasks split across the
+  // threads, so heads and keys of a long context share the cores; then each row's partials combined.
   void attention(int l, const Row* rows, int M, int id, int n) {
     const Layer& L = stack[l];
-    std::vector<int>& off = task_off[id];                 // partials before row r (every thread the same)
+    std::vector<int>& off = task_off[id];                 // tasks before row r (every thread the same)
     off.resize(M + 1);
     off[0] = 0;
-    int most = 0;
-    for (int r = 0; r < M; ++r) {
-      const int nb = key_blocks(first_key(L, rows[r].pos), rows[r].pos);
-      off[r + 1] = off[r] + heads * nb;
-      most = std::max(most, nb);
-    }
-    const int group = heads / kv_heads, cap = std::max(1, QMAX / group);
-    std::vector<int>& grp = task_rows[id];                // each task's rows, one after another
-    std::vector<int>& order = task_order[id];             // per task: block, KV head, first in grp, rows
-    std::vector<char>& taken = task_taken[id];
-    grp.clear();
+    for (int r = 0; r < M; ++r) off[r + 1] = off[r] + heads * key_blocks(first_key(L, rows[r].pos), rows[r].pos);
+    // Tasks (row, KV head, key block), each all the heads of its KV head, run in the order: key block,
+    // KV head, row (the rows over the same keys, as the rows of a shared prefix, one after another
+    // while those keys are in cache); split across the threads in that order.
+    std::vector<int>& order = task_order[id];
     order.clear();
-    for (int b = 0; b < most; ++b) {
-      taken.assign(M, 0);
-      const size_t first = order.size();
-      for (int r = 0; r < M; ++r) {
-        if (taken[r] || (off[r + 1] - off[r]) / heads <= b) continue;
-        const int64_t k0 = first_key(L, rows[r].pos) + static_cast<int64_t>(b) * KEY_BLOCK;
-        const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
-        const int start = static_cast<int>(grp.size());
-        grp.push_back(r);
-        for (int s = r + 1; s < M && static_cast<int>(grp.size()) - start < cap; ++s) {
-          if (taken[s] || (off[s + 1] - off[s]) / heads <= b) continue;
-          const int64_t s0 = first_key(L, rows[s].pos) + static_cast<int64_t>(b) * KEY_BLOCK;
-          if (s0 != k0 || std::min<int64_t>(rows[s].pos + 1, s0 + KEY_BLOCK) != k1) continue;
-          if (same_keys(rows[r], rows[s], k0, k1)) {
-            taken[s] = 1;
-            grp.push_back(s);
-          }
-        }
-        order.insert(order.end(), {b, 0, start, static_cast<int>(grp.size()) - start});
-      }
-      const size_t groups = (order.size() - first) / 4;
-      for (int g = 1; g < kv_heads; ++g)
-        for (size_t i = 0; i < groups; ++i) {
-          const int* t = &order[first + 4 * i];
-          order.insert(order.end(), {t[0], g, t[2], t[3]});
-        }
-    }
-    // Thread id runs the tasks whose middle (in rows x keys, in order) falls in its share.
-    const size_t tasks = order.size() / 4;
-    auto keys_of = [&](size_t t) {
-      const int* o = &order[4 * t];
-      const int r = grp[o[2]];
-      const int64_t k0 = first_key(L, rows[r].pos) + static_cast<int64_t>(o[0]) * KEY_BLOCK;
-      return static_cast<double>(o[3]) * static_cast<double>(std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK) - k0);
-    };
-    double total = 0;
-    for (size_t t = 0; t < tasks; ++t) total += keys_of(t);
-    double before = 0;
-    for (size_t t = 0; t < tasks; ++t) {
-      const double size = keys_of(t);
-      const int owner = std::min(n - 1, static_cast<int>((before + size / 2) * n / total));
-      before += size;
-      if (owner != id) continue;
-      const int* o = &order[4 * t];
-      const int r = grp[o[2]];
-      const int64_t k0 = first_key(L, rows[r].pos) + static_cast<int64_t>(o[0]) * KEY_BLOCK;
+    int most = 0;
+    for (int r = 0; r < M; ++r) most = std::max(most, (off[r + 1] - off[r]) / heads);
+    for (int b = 0; b < most; ++b)
+      for (int g = 0; g < kv_heads; ++g)
+        for (int r = 0; r < M; ++r)
+          if ((off[r + 1] - off[r]) / heads > b) order.insert(order.end(), {r, g, b});
+    const int group = heads / kv_heads;
+    int a0, a1;
+    split(static_cast<int>(order.size() / 3), id, n, &a0, &a1);
+    for (int i = a0; i < a1; ++i) {
+      const int r = order[3 * i], g = order[3 * i + 1], blk = order[3 * i + 2];
+      const int nb = (off[r + 1] - off[r]) / heads;
+      const int64_t k0 = first_key(L, rows[r].pos) + static_cast<int64_t>(blk) * KEY_BLOCK;
       const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
-      attend_task(l, rows, &grp[o[2]], o[3], o[1], k0, k1, o[0], off.data(), scores[id].data(), keys_t[id].data());
+      for (int hd = g * group; hd < (g + 1) * group; hd += 4) {
+        const int count = std::min(4, (g + 1) * group - hd);
+        attend_block(l, rows[r], r, hd, count, k0, k1, off[r] + hd * nb + blk, nb, scores[id].data());
+      }
     }
     team.barrier(n);
     for (int r2 = id; r2 < M; r2 += n) {
@@ -1225,13 +1111,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
   dec->xq_w = widest + 64; dec->s_w = widest / BLOCK + 1;
   dec->reserve(1);
-  const size_t per = std::max(dec->team.size(), 64);          // per thread (an OpenMP team may differ in size)
-  dec->scores.assign(per, std::vector<float>(static_cast<size_t>(QMAX) * KEY_BLOCK));
-  dec->keys_t.assign(per, std::vector<float>(static_cast<size_t>(std::max(dec->head_dim, VW)) * VW));
-  dec->task_off.resize(per);
-  dec->task_order.resize(per);
-  dec->task_rows.resize(per);
-  dec->task_taken.resize(per);
+  dec->scores.assign(std::max(dec->team.size(), 64), std::vector<float>(4 * KEY_BLOCK));   // per thread (an OpenMP
+  dec->task_off.resize(dec->scores.size());
+  dec->task_order.resize(dec->scores.size());                                            // team may differ in size)
   return dec;
 }
 
