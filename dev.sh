@@ -28,9 +28,21 @@ setup() {
 # build dies with "Illegal instruction" in VMs without AMX), kept as a wheel for later setups.
 LLAMA_CPP_VERSION=0.3.36
 LLAMA_WHEELS=${KVBOOST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvboost/wheels}
-LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
--DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
--DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+# The instruction sets come from what this CPU reports (an AMD Zen 4 has AVX-512 VNNI but no AVX-VNNI: a
+# wheel built with -DGGML_AVX_VNNI=ON dies there with "Illegal instruction"), and the wheel cache is keyed
+# by them, so a wheel built on one CPU is never installed on another that lacks its instructions.
+llama_isa() {
+    local isa="-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" flag
+    has() { grep -qw "$1" /proc/cpuinfo; }
+    for flag in avx512f:AVX512 avx512_vnni:AVX512_VNNI avx512vbmi:AVX512_VBMI avx512_bf16:AVX512_BF16 \
+                avx_vnni:AVX_VNNI; do
+        if has "${flag%%:*}"; then isa="$isa -DGGML_${flag#*:}=ON"; fi
+    done
+    echo "$isa"
+}
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF $(llama_isa) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+LLAMA_WHEELS="$LLAMA_WHEELS/$(echo "$LLAMA_CMAKE_ARGS" | cksum | cut -d' ' -f1)"
 
 llama_cpp_wheel() {
     local wheel
@@ -75,7 +87,7 @@ case "$task" in
     setup) ;;
     demo)  .venv/bin/python -m kvboost_tools.demo "$@" ;;
     test)  .venv/bin/python -m pytest -q "$@" ;;
-    bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;   # on a busy machine: OMP_WAIT_POLICY=PASSIVE
+    bench) setup_bench; .venv/bin/python -m benchmarks "$@" ;;   # alone on a quiet machine
     llama-server) bash .ci/remote.sh ;;
     vllm)  setup_vllm ;;
     bench-remote) setup_vllm; .venv/bin/python -m benchmarks.remote "$@" ;;

@@ -26,7 +26,7 @@ llama.cpp (benchmarks/llama_tools.sh; same file, same threads):
           1-token prompt, the file's pages dropped from the page cache first (first_load_s) and
           again right after (load_s; the process's wall time beside each: *process_s)
 
-Run:   OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.gguf --all [--side both|ours|llama]
+Run:   python -m benchmarks.micro.gguf --all [--side both|ours|llama]
        python -m benchmarks.micro.gguf --model 1.7b --format q4_0,hf-int4 --side ours
 Smoke: python -m benchmarks.micro.gguf --model default --format q4_1 --decode-tokens 4 --prefill-tokens 32 --repeats 1
 Results: benchmarks/results/gguf.json (rows merged by model, format and side); a table is printed.
@@ -147,14 +147,24 @@ def run_ours(model: str, fmt: str, path: Path, args) -> dict:
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
+def anchor_env(**extra: str) -> dict[str, str]:
+    """The environment llama.cpp's tools run in: ours without OMP_WAIT_POLICY (with PASSIVE, ggml's
+    OpenMP threads sleep between its many barriers and its tools decode 2-3x slower on 2 cores: the
+    anchor runs as a user runs it), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(extra)
+    return env
+
+
 def _timed(cmd: list[str]) -> tuple[str, str, float, int]:
-    """(stdout, stderr, seconds, peak RSS bytes) of a command, the peak from GNU time's %M (the
-    command's own maximum resident set; ru_maxrss of a child forked from this process would
-    include this process's RSS at the fork)."""
+    """(stdout, stderr, seconds, peak RSS bytes) of a llama.cpp tool (in `anchor_env`), the peak from
+    GNU time's %M (the command's own maximum resident set; ru_maxrss of a child forked from this
+    process would include this process's RSS at the fork)."""
     with tempfile.TemporaryDirectory() as tmp:
         peak_file = Path(tmp) / "peak"
         started = time.perf_counter()
-        done = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(peak_file), *cmd], capture_output=True, text=True)
+        done = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(peak_file), *cmd], capture_output=True, text=True,
+                              env=anchor_env())
         seconds = time.perf_counter() - started
         if done.returncode != 0:
             raise RuntimeError(f"{Path(cmd[0]).name} exited {done.returncode}: {done.stderr.strip()[-400:]}")

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..gguf_models import MODEL_FORMATS, model_file, tools_dir
+from .gguf import anchor_env
 
 
 def llama_perplexity(path: Path, args) -> dict:
@@ -46,7 +47,7 @@ def llama_perplexity(path: Path, args) -> dict:
                "-c", str(args.ctx), "-b", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads),
                "--kl-divergence-base", str(logits)]
         started = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=anchor_env())
         seconds = time.perf_counter() - started
         if done.returncode != 0:
             raise RuntimeError(f"llama-perplexity exited {done.returncode}: {done.stderr.strip()[-400:]}")

@@ -10,8 +10,8 @@ Per weights (--weights, default fp32,int4):
                   falls on every M alike)
   unshared        M rows, each over its own copy of that KV (no key read twice), M <= 16
   speedup         M x step(1) / step(M): tokens per unit of time at M rows against one row
-Run alone on a quiet machine (about 2 minutes on 2 cores):
-  OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.native_rows [--weights fp32,int4] [--context 1000]
+Run alone on a quiet machine (about 2 minutes on 2 cores), no OMP_WAIT_POLICY:
+  python -m benchmarks.micro.native_rows [--weights fp32,int4] [--context 1000]
       [--rows 1,4,8,16,64] [--repeats 15] [--out benchmarks/results/native_rows.json]
 Smoke: python -m benchmarks.micro.native_rows --smoke
 """

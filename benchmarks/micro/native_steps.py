@@ -20,12 +20,13 @@ llama.cpp (benchmarks/llama_tools.sh; the same file, same threads):
   llama-bench -t T -p 0 -n N -d D1,D2,.. -r R -m FILE -o json  decode at each depth (-d fills the
                    context first, untimed); median of its R samples_ts, all samples kept
 
-Run alone (about 10 minutes on 2 cores, most of it the 1.7b model's 4,096-token contexts):
-  OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.native_steps [--model default,1.7b] [--depths 0,512,4096]
+Run alone (about 10 minutes on 2 cores, most of it the 1.7b model's 4,096-token contexts)
+(no OMP_WAIT_POLICY: llama.cpp's tools always run without it, see gguf.anchor_env):
+  python -m benchmarks.micro.native_steps [--model default,1.7b] [--depths 0,512,4096]
 Instruction-set variants (#29): `--isa avx2,avxvnni` runs our rows once per variant of the native step
 (KVBOOST_NATIVE_ISA in the child), `--llama-variant avx2` takes llama.cpp's AVX2-only build
 (benchmarks/llama_tools.sh --avx2); the fair pair is our avx2 against llama.cpp's avx2:
-  OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.native_steps --config default:int4,1.7b:q4_0 \
+  python -m benchmarks.micro.native_steps --config default:int4,1.7b:q4_0 \
       --isa avx2,avxvnni --llama-variant avx2 --out benchmarks/results/native_steps_avx2.json
 Smoke: python -m benchmarks.micro.native_steps --smoke
 Results: benchmarks/results/native_steps.json (--out); a table of ours / llama.cpp is printed.
