@@ -109,8 +109,10 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        """Requests admitted and not finished."""
-        return len(self._prefilling) + len(self._decoding)
+        """Requests admitted and not finished. A decoding request counts until it finishes, not
+        until the loop drops it from its list right after: a caller that has its reply already
+        reads 0 (the loop hands the reply over before it drops the request)."""
+        return len(self._prefilling) + sum(not d.finished for d in list(self._decoding))
 
     def _check_open(self) -> None:
         if self._closed:
