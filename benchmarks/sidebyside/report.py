@@ -159,10 +159,11 @@ def markdown(result, image_dir: str = "benchmarks/results") -> str:
                 "timed in that process (its median TTFT there: "
                 + ", ".join(f"{w['name']} {_worker_baseline_ms(result, w['name'])}" for w in result["workloads"])
                 + ").", ""]
-    out += [f"![TTFT vs turn]({image_dir}/ttft_vs_turn{suffix}.png) "
-            f"![hit rate vs turn]({image_dir}/hit_rate_vs_turn{suffix}.png)",
-            f"![TTFT vs documents]({image_dir}/ttft_vs_docs{suffix}.png) "
-            f"![coding TTFT per request]({image_dir}/coding_ttft{suffix}.png)"]
+    present = {w["name"] for w in result["workloads"]}      # --only runs a subset
+    images = [(w, f"![{title}]({image_dir}/{name}{suffix}.png)") for w, title, name in (
+        ("chat", "TTFT vs turn", "ttft_vs_turn"), ("chat", "hit rate vs turn", "hit_rate_vs_turn"),
+        ("rag", "TTFT vs documents", "ttft_vs_docs"), ("coding", "coding TTFT per request", "coding_ttft"))]
+    out += [" ".join(image for w, image in images if w in present)]
     return "\n".join(out) + "\n"
 
 
@@ -193,7 +194,17 @@ def plot_all(result, out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
 
-    chat = workloads["chat"]["sequences"][0]
+    if "chat" in workloads:
+        plot_chat(result, names, workloads["chat"]["sequences"][0], save)
+    if "rag" in workloads:
+        plot_rag(result, names, workloads["rag"]["sequences"], save)
+    if "coding" in workloads:
+        plot_coding(result, names, workloads["coding"]["sequences"][0], save)
+    return paths
+
+
+def plot_chat(result, names, chat, save) -> None:
+    import matplotlib.pyplot as plt
     turns = list(range(1, len(chat["requests"]) + 1))
     for name, key, ylabel, scale in (("ttft_vs_turn", "ttft_s", "TTFT (ms, median)", 1e3),
                                      ("hit_rate_vs_turn", "hit_rate", "prompt tokens reused (%)", 100)):
@@ -204,7 +215,9 @@ def plot_all(result, out_dir: Path) -> list[Path]:
         ax.set(xlabel="turn", ylabel=ylabel, title="Multi-turn chat")
         save(fig, name)
 
-    rag = workloads["rag"]["sequences"]
+
+def plot_rag(result, names, rag, save) -> None:
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in names:
         seqs = rows_of(result, s, "rag")["sequences"]
@@ -214,7 +227,9 @@ def plot_all(result, out_dir: Path) -> list[Path]:
            title="RAG, shuffled documents")
     save(fig, "ttft_vs_docs")
 
-    coding = workloads["coding"]["sequences"][0]
+
+def plot_coding(result, names, coding, save) -> None:
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = list(range(1, len(coding["requests"]) + 1))
     for s in names:
@@ -227,7 +242,6 @@ def plot_all(result, out_dir: Path) -> list[Path]:
                         rotation=90, va="top", ha="right")
     ax.set(xlabel="request", ylabel="TTFT (ms, median)", title="Coding assistant session")
     save(fig, "coding_ttft")
-    return paths
 
 
 # ---- files --------------------------------------------------------------------------------------
