@@ -23,7 +23,7 @@ from .model.rope import RopeMover
 from .weights.quantized import check_weights_format
 from .request.decode import Channel, EngineParts, Request, check_timeout, check_window, store
 from .request.generation import Generation, GenerationStream
-from .openmp import release_thread_pool
+from .request.openmp import release_thread_pool
 from .request.ordering import order_documents, order_segments
 from .request.prefill import PrefillParts, prefill
 from .request.scheduler import Scheduler

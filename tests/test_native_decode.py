@@ -143,51 +143,6 @@ def test_a_step_gives_the_same_numbers_on_any_number_of_threads(tmp_path, weight
 
 
 @needs_cpu
-def test_workers_stop_with_their_decoder_and_a_forked_child_steps(tmp_path):
-    """A decoder's worker threads (decode.cpp, Team) end when it is closed, and a process forked
-    after they started (which has none of them) still steps on its 2 threads, with the parent's
-    numbers."""
-    import os
-    import threading
-    model = tiny_model("qwen2", seed=5, **WIDE)
-    adapter = ModelAdapter(model)
-    forward = Forward(adapter)
-
-    def workers():                                                     # named by decode.cpp
-        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-        return names.count("kvboost-native")
-
-    before = workers()
-    decoder, reason = native_decoder(adapter, threads=2)
-    assert decoder is not None, reason
-    kv, child_kv = _contiguous(adapter), _contiguous(adapter)
-    with torch.inference_mode():
-        forward(kv, PROMPT, 0)
-        forward(child_kv, PROMPT, 0)
-        first = decoder(kv, PROMPT[0], len(PROMPT))
-        assert workers() == before + 1
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:                                                   # the child: one more step
-            ok = False
-            try:
-                torch.set_num_threads(1)       # PyTorch's OpenMP team does not survive a fork
-                ok = torch.equal(decoder(child_kv, PROMPT[0], len(PROMPT)), first)
-            finally:
-                os.write(write, b"1" if ok else b"0")
-                os._exit(0)
-        os.close(write)
-        done = threading.Event()
-        waiter = threading.Thread(target=lambda: (os.waitpid(pid, 0), done.set()), daemon=True)
-        waiter.start()
-        assert done.wait(120), "the forked child's step hung"
-        assert os.read(read, 1) == b"1"
-        os.close(read)
-    decoder.close()
-    assert workers() == before
-
-
-@needs_cpu
 def test_engine_uses_it_by_default_and_off_on_request(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
     model = int4_model("llama", tmp_path)

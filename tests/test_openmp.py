@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from kvboost_engine import openmp
+from kvboost_engine.request import openmp
 
 
 def _threads() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvboost_engine", "kvboost_tools", "kvboost_integrations")
 
-# room -> rooms it may import (besides itself and the base modules errors/config/paths/instrument/openmp)
+# room -> rooms it may import (besides itself and the base modules errors/config/paths/instrument)
 ROOMS = {
     "kv": set(),
     "model": {"kv.geometry"},
@@ -19,7 +19,7 @@ ROOMS = {
     "request": {"kv", "model", "constrained"},
     "native": {"model", "weights"},
 }
-BASE = {"errors", "config", "paths", "instrument", "openmp"}
+BASE = {"errors", "config", "paths", "instrument"}
 
 
 def modules() -> dict[str, Path]:

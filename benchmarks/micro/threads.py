@@ -1,5 +1,5 @@
 """Decode speed on another thread than the one that loaded the model: why the engine gives the
-calling thread's OpenMP workers back (kvboost_engine/openmp.py).
+calling thread's OpenMP workers back (kvboost_engine/request/openmp.py).
 
 One greedy decode step of the default model (a bare transformers forward over a DynamicCache),
 median of `--steps`:

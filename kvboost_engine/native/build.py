@@ -10,9 +10,9 @@ with a reason where the CPU lacks it. Anything missing (not x86-64 Linux, a CPU 
 and F16C, no compiler, a failed build) is reported as a reason, never raised: callers fall back to
 the PyTorch path.
 
-A step runs on the calling thread and the decoder's own worker threads (decode.cpp's Team), which
-sleep on a futex 50 us after a step, not on an OpenMP team: libgomp's workers spin for milliseconds
-after each region and took a core from the threads that consume the tokens.
+It is built with OpenMP: its `libgomp.so.1` is, by soname, the one PyTorch's Linux wheels ship and
+have already loaded, so a step runs on the calling thread's own OpenMP team, the threads its
+PyTorch ops use (a second runtime's threads would compete with them for the cores).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 ABI_VERSION = 6
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 # variant: (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS = {
     "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-DKVB_ISA_AVX512"),

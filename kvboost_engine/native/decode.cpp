@@ -13,7 +13,6 @@
 // passes raw pointers. Written for kvboost (kvboost_engine/native/decoder.py gives the layouts).
 #include <immintrin.h>
 #include <linux/futex.h>
-#include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -26,8 +25,10 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
-#include <thread>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -644,48 +645,14 @@ void attend_heads(const float* q, int head_dim, const float* kbase, const float*
     for (int c = 0; c < D; ++c) vstore(out[h] + VW * c, two ? vadd(a0[h][c], a1[h][c]) : a0[h][c]);
 }
 
-// Waiting, for the barrier between a step's stages and for the pool's workers between steps: spin
-// (threads normally arrive within microseconds of each other), then yield the core for a while (a
-// wait of a few hundred microseconds costs no wake-up; a descheduled thread of the team on this core
-// runs), then sleep on a futex. A spin with no end stalled whenever a thread of the team was
-// descheduled (more runnable threads than cores: two engines decoding at once in one process ran 23x
-// slower), since the waiters held the cores it needed to arrive; and an idle worker that spins after
-// a step takes a core from the caller's other threads (streaming consumers, the server's loop).
-constexpr auto SPIN_FOR = std::chrono::microseconds(50);
-
-// FUTEX_WAIT returns at once when *word != value, on a wake, or spuriously (callers loop).
-void futex(std::atomic<int>& word, int op, int value) {
-  static_assert(sizeof(std::atomic<int>) == sizeof(int) && std::atomic<int>::is_always_lock_free,
-                "the futex word is the atomic's own int");
-  syscall(SYS_futex, reinterpret_cast<int*>(&word), op, value, nullptr, nullptr, 0);
-}
-
-// Returns once word != old. `yield_for`: how long to yield after the spin, before sleeping.
-void await_change(std::atomic<int>& word, int old, std::atomic<int>& sleepers, std::chrono::microseconds yield_for) {
-  using clock = std::chrono::steady_clock;
-  auto changed = [&] { return word.load(std::memory_order_acquire) != old; };
-  const auto start = clock::now();
-  for (int i = 1; !changed(); ++i) {
-    _mm_pause();
-    if (i % 64 == 0 && clock::now() - start > SPIN_FOR) break;
-  }
-  while (!changed() && clock::now() - start < SPIN_FOR + yield_for) sched_yield();
-  // seq_cst on sleepers and word on both sides: either the changer sees this sleeper and wakes it,
-  // or this thread sees the new value (and the kernel checks the word again as it sleeps).
-  sleepers.fetch_add(1, std::memory_order_seq_cst);
-  while (word.load(std::memory_order_seq_cst) == old) futex(word, FUTEX_WAIT_PRIVATE, old);
-  sleepers.fetch_sub(1, std::memory_order_relaxed);
-}
-
-// Changes the word (adds 1) and wakes its sleepers.
-void announce(std::atomic<int>& word, std::atomic<int>& sleepers) {
-  word.fetch_add(1, std::memory_order_seq_cst);
-  if (sleepers.load(std::memory_order_seq_cst) > 0) futex(word, FUTEX_WAKE_PRIVATE, INT32_MAX);
-}
-
-// The stages of a step meet at a barrier of our own (libgomp's barrier sleeps on a futex after a
-// short spin once a process has more OpenMP threads than cores, which made a step of ~300 barriers
-// 50 % slower on a thread other than the main one).
+// The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
+// short spin once a process has more OpenMP threads than cores (a second thread that ran PyTorch
+// ops is enough), which made a step of ~300 barriers 50 % slower on a thread other than the main one.
+// Ours spins, but only for a while: a spin with no end stalled whenever a thread of the team was
+// descheduled (more runnable threads than cores: two engines decoding at once in one process ran
+// 23x slower), since the waiters held the cores it needed to arrive. So a waiter spins (threads
+// normally arrive within microseconds of each other), then yields its core (a wait of a few hundred
+// microseconds costs no wake-up; a descheduled thread on this core runs), then sleeps on a futex.
 class Barrier {
  public:
   // All `n` threads meet here.
@@ -694,13 +661,41 @@ class Barrier {
     const int gen = gen_.load(std::memory_order_acquire);
     if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
       count_.store(0, std::memory_order_relaxed);
-      announce(gen_, sleepers_);
+      gen_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
     } else {
-      await_change(gen_, gen, sleepers_, std::chrono::microseconds(950));
+      wait_past(gen);
     }
   }
 
  private:
+  static constexpr auto SPIN_FOR = std::chrono::microseconds(50);       // then yield
+  static constexpr auto SLEEP_AFTER = std::chrono::microseconds(1000);  // of spins and yields
+
+  bool passed(int gen) const { return gen_.load(std::memory_order_acquire) != gen; }
+
+  void wait_past(int gen) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    for (int i = 1; !passed(gen); ++i) {
+      _mm_pause();
+      if (i % 64 == 0 && clock::now() - start > SPIN_FOR) break;
+    }
+    while (!passed(gen) && clock::now() - start < SLEEP_AFTER) sched_yield();
+    // seq_cst on sleepers_ and gen_ on both sides: either the releaser sees this sleeper and wakes
+    // it, or this thread sees the new generation (and the kernel checks gen_ again as it sleeps).
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (gen_.load(std::memory_order_seq_cst) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  // FUTEX_WAIT returns at once when gen_ != value, on a wake, or spuriously (the caller loops).
+  void futex(int op, int value) {
+    syscall(SYS_futex, reinterpret_cast<int*>(&gen_), op, value, nullptr, nullptr, 0);
+  }
+  static_assert(sizeof(std::atomic<int>) == sizeof(int) && std::atomic<int>::is_always_lock_free,
+                "the futex word is the atomic's own int");
+
   std::atomic<int> count_{0};
   std::atomic<int> gen_{0};
   std::atomic<int> sleepers_{0};    // threads in (or about to enter) FUTEX_WAIT
@@ -713,85 +708,31 @@ std::atomic<int>& steps_running() {
   return count;
 }
 
-// Threads: a step runs on the calling thread and the decoder's own n - 1 workers, started at its
-// first step. Between steps a worker spins 50 us, then sleeps on a futex: an OpenMP team's workers
-// (libgomp's default policy) spin for milliseconds after each parallel region, and on two cores that
-// took a core from the threads that consume a step's tokens (8 streamed chats: 3.26x serial with
-// OpenMP's spin, 3.86x with OMP_WAIT_POLICY=PASSIVE, which in turn slows every barrier-heavy OpenMP
-// program in the process). A step that starts while other decoders' steps run takes its share of the
-// threads (n / steps running, at least 1): two engines decoding at once on 2 cores then run one
-// thread each, with no barrier to wait at. Every output row, tile and head is computed by one thread
-// whatever the split, so the numbers do not depend on it.
+// Threads: a step is one OpenMP parallel region of the calling thread's own team (the libgomp
+// PyTorch already loaded, so its ops and this step share one set of threads). A step that starts
+// while other decoders' steps run takes its share of the team (size / steps running, at least 1):
+// two engines decoding at once on 2 cores then run one thread each, with no barrier to wait at,
+// instead of 4 threads on 2 cores meeting ~300 times a step. Every output row, tile and head is
+// computed by one thread whatever the split, so the numbers do not depend on it.
 class Team {
  public:
   explicit Team(int n) : n_(std::max(n, 1)) {}
-  Team(const Team&) = delete;
-  Team& operator=(const Team&) = delete;
-
-  ~Team() {
-    if (workers_ == nullptr) return;
-    if (owner_ != getpid()) return;     // a forked child has no workers (their objects are left)
-    stop_ = true;
-    announce(start_, start_sleepers_);
-    for (auto& t : *workers_) t.join();
-    delete workers_;
-  }
-
   int size() const { return n_; }
 
-  // job(thread id, threads) on every thread of the step's team (one step at a time per team: the
-  // decoder's lock)
+  // job(thread id, threads) on every thread of the step's team
   void run(const std::function<void(int, int)>& job) {
     const int running = steps_running().fetch_add(1, std::memory_order_relaxed) + 1;
     const int threads = std::max(1, n_ / running);
-    if (threads == 1) {
-      job(0, 1);
-    } else {
-      start();
-      job_ = &job;
-      threads_ = threads;
-      pending_.store(n_ - 1, std::memory_order_relaxed);
-      const int done = done_.load(std::memory_order_relaxed);
-      announce(start_, start_sleepers_);          // publishes job_ and threads_ to the workers
-      job(0, threads);
-      await_change(done_, done, done_sleepers_, std::chrono::microseconds(950));
-    }
+#pragma omp parallel num_threads(threads)
+    job(omp_get_thread_num(), omp_get_num_threads());
     steps_running().fetch_sub(1, std::memory_order_relaxed);
   }
 
   void barrier(int n) { barrier_.wait(n); }
 
  private:
-  // The workers, at the first step of this process (a child forked after they started gets its own).
-  void start() {
-    if (workers_ != nullptr && owner_ == getpid()) return;
-    workers_ = new std::vector<std::thread>;    // a forked child's copy of the parent's is left alone
-    owner_ = getpid();
-    const int seen = start_.load(std::memory_order_relaxed);
-    for (int id = 1; id < n_; ++id) workers_->emplace_back([this, id, seen] { work(id, seen); });
-  }
-
-  void work(int id, int seen) {
-    pthread_setname_np(pthread_self(), "kvboost-native");   // what top -H and /proc show
-    for (;;) {
-      await_change(start_, seen, start_sleepers_, std::chrono::microseconds(0));
-      seen = start_.load(std::memory_order_acquire);
-      if (stop_) return;
-      if (id < threads_) (*job_)(id, threads_);
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) announce(done_, done_sleepers_);
-    }
-  }
-
   int n_;
   Barrier barrier_;
-  std::vector<std::thread>* workers_ = nullptr;
-  pid_t owner_ = 0;
-  const std::function<void(int, int)>* job_ = nullptr;   // written before start_ changes
-  int threads_ = 1;
-  bool stop_ = false;
-  std::atomic<int> start_{0}, start_sleepers_{0};       // a new step (or stop) for the workers
-  std::atomic<int> pending_{0};                         // workers not yet done with this step
-  std::atomic<int> done_{0}, done_sleepers_{0};         // the last worker's done
 };
 
 // One row of a step: the token at `pos` of a sequence, over that sequence's KV.

@@ -35,7 +35,6 @@ from ..model.arch import ModelAdapter
 from ..weights.formats import INT4_GROUP, Int4Linear, Int8Linear, unpack_int4
 from ..weights.packed import PackedLinear, pack_codes
 from . import abi, build
-from ..openmp import release_thread_pool
 
 TILE, BLOCK = 16, 32
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
@@ -211,7 +210,6 @@ class NativeDecoder:
         array = (abi.Row * len(rows))(*(self._row(view, p, want, keep) for view, p, want in rows))
         x = self.adapter.embed(torch.tensor([token_ids])).float().contiguous()
         logits = torch.empty(sum(bool(want) for *_, want in rows), self.vocab, dtype=torch.float32)
-        release_thread_pool()
         self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
         return logits
 

@@ -34,7 +34,7 @@ from .admission import check_fits_alone, continues_a_prefill
 from .decode import Decoding, EngineParts, Request
 from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
     refuse as _refuse, run_task as _run_task
-from ..openmp import release_thread_pool
+from .openmp import release_thread_pool
 from .plan import Prefilling, plan_step
 from .prefill import Assembled, assemble, prefilled, repair
 
