@@ -28,7 +28,8 @@ Sections:
 A summary table (per weights: shared and unshared speed-up at 8, aggregate at 8, greedy = serial,
 bounds; int4 at 8 against llama-batched-bench -npl 8) ends the output and the JSON.
 
-Run alone on a quiet machine (about 12 minutes on 2 cores for the defaults) (no OMP_WAIT_POLICY: llama.cpp's tools always run without it, see gguf.anchor_env):
+Run alone on a quiet machine (about 12 minutes on 2 cores for the defaults), without OMP_WAIT_POLICY
+(llama.cpp's tools always run without it: gguf.anchor_env):
   python -m benchmarks.micro.batching [--weights fp32,int4] [--gguf PATH]
       [--sections levels,unshared,transformers,prefill,memory,llama] [--out benchmarks/results/batching.json]
 Smoke: python -m benchmarks.micro.batching --smoke --sections levels,unshared,llama

@@ -147,13 +147,11 @@ def run_ours(model: str, fmt: str, path: Path, args) -> dict:
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
-def anchor_env(**extra: str) -> dict[str, str]:
+def anchor_env() -> dict[str, str]:
     """The environment llama.cpp's tools run in: ours without OMP_WAIT_POLICY (with PASSIVE, ggml's
     OpenMP threads sleep between its many barriers and its tools decode 2-3x slower on 2 cores: the
-    anchor runs as a user runs it), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env.update(extra)
-    return env
+    anchor runs as a user runs it)."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
 
 
 def _timed(cmd: list[str]) -> tuple[str, str, float, int]:
