@@ -126,3 +126,72 @@ def test_a_partly_packed_model_is_refused_with_a_reason():
     model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
     assert weights_kind(ModelAdapter(model)) is None
     assert "PackedLinear" in unsupported_reason(ModelAdapter(model))
+
+
+def symmetric_linear(linear: nn.Linear, bits: int, zero: int) -> PackedLinear:
+    """`linear` quantized as Q4_0 / Q8_0 (code - zero) * d: m = -zero * d stored, zero_code given."""
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    blocks = w.view(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(-1) / (zero - 1)).clamp_min(1e-6).half().float()
+    codes = ((blocks / d[..., None]).round() + zero).clamp(0, 2 ** bits - 1).to(torch.uint8).view(n, k)
+    packed = pack_codes(codes, d, -zero * d, bits, F16, F16)
+    return PackedLinear(packed["codes"], packed["d"], packed["m"], bits, n, k, linear.bias, zero_code=zero)
+
+
+def _native_logits(model, steps=6):
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    kv = _paged(adapter)
+    with torch.inference_mode():
+        Forward(adapter)(kv, PROMPT, 0)
+        out = [decoder(kv, token, len(PROMPT) + n).clone() for n, token in enumerate(PROMPT[:steps])]
+    decoder.close()
+    return out
+
+
+@needs_cpu
+def test_a_derived_m_gives_the_numbers_of_the_stored_m():
+    """Where m == -zero_code * d (Q4_0, Q8_0) the step reads d only and derives m: bit for bit the
+    step that reads the stored m; and it stays close to the PyTorch path."""
+    model = tiny_model("llama", seed=6)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, symmetric_linear(child, 4, 8))
+    model.lm_head = symmetric_linear(model.lm_head, 8, 128)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    derived = _native_logits(model)
+    for m in packed:
+        m.zero_code = None
+    stored = _native_logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(derived, stored))
+    for want, got in _decode_both(model, _contiguous)[0]:
+        assert ((got - want).norm() / want.norm()).item() < 0.015
+    with pytest.raises(ValueError, match="power of two"):
+        symmetric_linear(nn.Linear(32, 16), 4, 6)
+
+
+@needs_cpu
+def test_int4_layers_give_the_numbers_of_a_float32_offset(tmp_path, monkeypatch):
+    """weights="int4": the step reads the bf16 zeros and computes code 0's value zero - 8 * scale (and
+    the int8 head's -128 * scale): bit for bit the step over the float32 offsets stored."""
+    from kvboost_engine.native import decoder as native
+    from test_native_decode import int4_model
+
+    model = int4_model("llama", tmp_path)
+    derived = _native_logits(model)
+
+    def stored_offsets(modules, bits):
+        parts = [native._int4_parts(m) if bits == 4 else native._int8_parts(m) for m in modules]
+        codes, scale = (torch.cat([p[i] for p in parts]) for i in range(2))
+        offset = (torch.cat([p[2] for p in parts]).float() - 8 * scale.float()) if bits == 4 else -128 * scale.float()
+        packed = pack_codes(codes, scale, offset, bits)
+        packed["dims"] = (sum(m.out_features for m in modules), modules[0].in_features, bits)
+        return packed
+
+    monkeypatch.setattr(native, "_joined", stored_offsets)
+    stored = _native_logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(derived, stored))

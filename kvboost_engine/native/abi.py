@@ -9,15 +9,16 @@ import torch
 
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
+NO_M = 3                                                         # ScaleType S_NONE: m not stored
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 class MatArgs(ctypes.Structure):
     """One weight matrix: codes (4- or 8-bit tiles, or float32 rows when bits is 32), per-row-block
-    scale d and offset m (d_type / m_type: ScaleType), bias or null. rows 0: absent (stacked into
-    the matrix before it)."""
+    scale d and offset m (d_type / m_type: ScaleType), bias or null. A weight is (code - zero) * d
+    + m, m null: 0 (zero a power of two then). rows 0: absent (stacked into the matrix before it)."""
     _fields_ = [("codes", P), ("d", P), ("m", P), ("bias", P),
-                ("rows", I32), ("cols", I32), ("bits", I32), ("d_type", I32), ("m_type", I32), ("unused", I32)]
+                ("rows", I32), ("cols", I32), ("bits", I32), ("d_type", I32), ("m_type", I32), ("zero", I32)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -41,8 +42,12 @@ class Row(ctypes.Structure):
 
 
 def mat_args(mat: dict, hold) -> MatArgs:
-    """A matrix as decoder.py describes it ({"codes", "d", "m", "bias", "dims": (rows, cols, bits)};
-    hold(tensor) -> its address, kept alive)."""
+    """A matrix as decoder.py describes it ({"codes", "d", "m", "bias", "zero", "dims": (rows, cols,
+    bits)}; m absent or None: not stored; hold(tensor) -> its address, kept alive)."""
     ptrs = [hold(mat[key]) if mat.get(key) is not None else 0 for key in ("codes", "d", "m", "bias")]
-    types = [SCALE_TYPES[mat[key].dtype] if mat.get(key) is not None else 2 for key in ("d", "m")]
-    return MatArgs(*ptrs, *mat["dims"], *types, 0)
+    d_type = SCALE_TYPES[mat["d"].dtype] if mat.get("d") is not None else 2
+    m_type = SCALE_TYPES[mat["m"].dtype] if mat.get("m") is not None else NO_M
+    zero = int(mat.get("zero") or 0)
+    if mat["dims"][2] in (4, 8) and mat.get("m") is None and (zero <= 0 or zero & (zero - 1)):
+        raise ValueError(f"a matrix without m needs a zero code that is a power of two (got {zero})")
+    return MatArgs(*ptrs, *mat["dims"], d_type, m_type, zero)

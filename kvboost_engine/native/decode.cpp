@@ -5,7 +5,9 @@
 // any row attends, each up to its own position). Every matrix product reads 4- or 8-bit weight
 // codes once for all rows and multiplies them with each row's activation quantized to int8 per
 // block of 32 (integer dot products), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
-// where a weight decodes to code * d + m (d bf16 / fp16 / fp32, m fp16 / fp32). Float32 weights
+// where a weight decodes to code * d + m (d bf16 / fp16 / fp32). m is stored (bf16 / fp16 / fp32) or
+// derived from d: m = stored - zero * d, or -zero * d with nothing stored (Q4_0's m = -8 d): a
+// matrix then reads 4 or 8 bits per weight and its d only (a tenth fewer bytes). Float32 weights
 // (bits = 32, the model's own row-major matrices) are read as they are, with the float activations.
 // Each row's arithmetic is the same whatever M and whatever rows share the step (batch-invariant).
 //
@@ -38,15 +40,17 @@ constexpr int KEY_BLOCK = 256;  // keys per attention task (a long context's key
 constexpr size_t PREFETCH = 2048;   // bytes of weight codes asked for ahead of the block in use (the
                                     // hardware prefetcher alone left int4 products 20 % slower)
 
-enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2 };   // element type of a matrix's d and m
+enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3 };   // element type of a matrix's d and m
+                                                                    // (S_NONE: m not stored)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
   const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
   const void* d;             // d_type [tiles][blocks][16]: code scale
-  const void* m;             // m_type [tiles][blocks][16]: value of code 0
+  const void* m;             // m_type [tiles][blocks][16] or null: with `zero`, the value of code 0 is m - zero * d
   const float* bias;         // [rows] or null
   int rows, cols, bits;
-  int d_type, m_type;        // ScaleType: d bf16 / fp16 / fp32, m fp16 / fp32
+  int d_type, m_type;        // ScaleType: d bf16 / fp16 / fp32, m bf16 / fp16 / fp32 / none
+  float zero;                // the code whose value is m (0: m is code 0's value; a power of two where m is none)
 };
 
 struct Layer {
@@ -352,6 +356,7 @@ inline vf vexp(vf x) {
 // ---- end of ISA primitives -----------------------------------------------------------------------
 
 inline float scale_at(const void* p, int type, size_t i) {
+  if (type == S_NONE) return 0.f;
   if (type == S_BF16) return bf16_scalar(static_cast<const uint16_t*>(p)[i]);
   if (type == S_F16) return f16_scalar(static_cast<const uint16_t*>(p)[i]);
   return static_cast<const float*>(p)[i];
@@ -384,6 +389,7 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
     dx[r] = a.dx + static_cast<size_t>(r0 + r) * a.s_stride;
     sx[r] = a.sx + static_cast<size_t>(r0 + r) * a.s_stride;
   }
+  const vf zero = vset1(w.zero), neg_zero = vset1(-w.zero);
   for (int h = 0; h < HALVES; ++h) {         // one output vector (VW rows of the tile) at a time
     vf acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vzero();
@@ -396,7 +402,9 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
       for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
       dot_block<BITS, R>(wb, h, xb, s);
       const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW);
-      const vf mv = load_scales<MT>(w.m, sp + b * TILE + h * VW);
+      vf mv;                                   // code 0's value: m - zero * d (each product exact)
+      if constexpr (MT == S_NONE) mv = vmul(dv, neg_zero);
+      else mv = vfnma(dv, zero, load_scales<MT>(w.m, sp + b * TILE + h * VW));
       for (int r = 0; r < R; ++r) {
         acc[r] = vfma(vcvt(s[r]), vmul(dv, vset1(dx[r][b])), acc[r]);
         acc[r] = vfma(mv, vset1(sx[r][b]), acc[r]);
@@ -433,14 +441,18 @@ void gemm_bits(const QMat& w, const Acts& a, int M, float* y, int y_stride, int 
 }
 
 void gemm(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, int t1) {
-  switch (w.d_type * 3 + w.m_type) {
-    case S_BF16 * 3 + S_F32: return gemm_bits<S_BF16, S_F32>(w, a, M, y, y_stride, t0, t1);
-    case S_BF16 * 3 + S_F16: return gemm_bits<S_BF16, S_F16>(w, a, M, y, y_stride, t0, t1);
-    case S_F16 * 3 + S_F32: return gemm_bits<S_F16, S_F32>(w, a, M, y, y_stride, t0, t1);
-    case S_F16 * 3 + S_F16: return gemm_bits<S_F16, S_F16>(w, a, M, y, y_stride, t0, t1);
-    case S_F32 * 3 + S_F32: return gemm_bits<S_F32, S_F32>(w, a, M, y, y_stride, t0, t1);
-    default: return gemm_bits<S_F32, S_F16>(w, a, M, y, y_stride, t0, t1);
+#define KVB_M_TYPES(DT)                                                             \
+    case DT * 4 + S_BF16: return gemm_bits<DT, S_BF16>(w, a, M, y, y_stride, t0, t1); \
+    case DT * 4 + S_F16: return gemm_bits<DT, S_F16>(w, a, M, y, y_stride, t0, t1);   \
+    case DT * 4 + S_F32: return gemm_bits<DT, S_F32>(w, a, M, y, y_stride, t0, t1);   \
+    case DT * 4 + S_NONE: return gemm_bits<DT, S_NONE>(w, a, M, y, y_stride, t0, t1);
+  switch (w.d_type * 4 + w.m_type) {
+    KVB_M_TYPES(S_BF16)
+    KVB_M_TYPES(S_F16)
+    KVB_M_TYPES(S_F32)
+    default: break;                            // the loader checks the types
   }
+#undef KVB_M_TYPES
 }
 
 // Weight rows n0 .. n0 + WR of a float32 W [rows, cols] (row-major) times activation rows
@@ -513,7 +525,7 @@ float exact_row(const QMat& w, int n, const float* x) {
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
     float d = scale_at(w.d, w.d_type, (static_cast<size_t>(t) * blocks + b) * TILE + r);
-    float m = scale_at(w.m, w.m_type, (static_cast<size_t>(t) * blocks + b) * TILE + r);
+    float m = scale_at(w.m, w.m_type, (static_cast<size_t>(t) * blocks + b) * TILE + r) - w.zero * d;
     for (int c = 0; c < BLOCK; ++c) {
       int code;
       if (w.bits == 4) {
@@ -1045,7 +1057,7 @@ struct MatArgs {             // one matrix (QMat); rows 0: absent (stacked into 
   const void* d;
   const void* m;
   const float* bias;
-  int32_t rows, cols, bits, d_type, m_type, unused;
+  int32_t rows, cols, bits, d_type, m_type, zero;   // zero: see QMat
 };
 
 struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v are absent; gate holds up
@@ -1064,14 +1076,15 @@ struct ModelArgs {
 };
 
 QMat qmat(const MatArgs& a) {
-  return QMat{static_cast<const uint8_t*>(a.codes), a.d, a.m, a.bias, a.rows, a.cols, a.bits, a.d_type, a.m_type};
+  return QMat{static_cast<const uint8_t*>(a.codes), a.d, a.m, a.bias, a.rows, a.cols, a.bits, a.d_type, a.m_type,
+              static_cast<float>(a.zero)};
 }
 
 }  // namespace
 
 extern "C" {
 
-int kvb_abi_version() { return 6; }
+int kvb_abi_version() { return 7; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }

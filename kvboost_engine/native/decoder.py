@@ -42,25 +42,30 @@ ROPE_TABLE = 1024                                   # positions of cos/sin compu
 PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
 
 
+# A weight is (code - zero) * d + m (abi.MatArgs): the int4 layers keep their bf16 zeros as m (w =
+# (q - 8) * scale + zero), the int8 head stores no m (w = (q - 128) * scale). The step reads the
+# codes and d (and the int4 zeros) only, and computes code 0's value m - zero * d: an exact product
+# and one rounding, the float32 offset zero - 8 * scale the PyTorch path computes.
 def _int4_parts(module: Int4Linear) -> tuple:
     n, k = module.out_features, module.in_features
     codes = unpack_int4(module.packed, n, k, module.block)
     scale = module.scale_zeros[..., 0].T                                        # [N, K/g] bf16
-    offset = module.scale_zeros[..., 1].T.float() - 8 * scale.float()
-    return codes, scale, offset
+    return codes, scale, module.scale_zeros[..., 1].T                           # zeros [N, K/g] bf16
 
 
 def _int8_parts(module: Int8Linear) -> tuple:
     n, k = module.out_features, module.in_features
     codes = (module.qweight.to(torch.int16) + 128).to(torch.uint8)
-    scale = module.scales[:, None].expand(n, k // BLOCK)
-    return codes, scale, -128 * scale.float()
+    return codes, module.scales[:, None].expand(n, k // BLOCK), None
 
 
 def _joined(modules: list, bits: int) -> dict:
     """Several linear layers over the same input as one matrix (rows stacked), packed, with bias."""
     parts = [_int4_parts(m) if bits == 4 else _int8_parts(m) for m in modules]
-    packed = pack_codes(*(torch.cat([p[i] for p in parts]) for i in range(3)), bits)
+    codes, scale = (torch.cat([p[i] for p in parts]) for i in range(2))
+    offset = torch.cat([p[2] for p in parts]) if bits == 4 else None
+    packed = pack_codes(codes, scale, offset, bits, offset_dtype=torch.bfloat16)
+    packed["zero"] = 8 if bits == 4 else 128
     if any(m.bias is not None for m in modules):
         packed["bias"] = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features)
                                     for m in modules])
@@ -86,9 +91,11 @@ ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
 
 
 def _packed(module: PackedLinear) -> dict:
-    """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy)."""
-    return {"codes": module.codes, "d": module.d, "m": module.m, "bias": module.bias,
-            "dims": (module.out_features, module.in_features, module.bits)}
+    """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy); m
+    is not read where it is -zero_code * d (Q4_0, Q5_0, Q8_0, re-quantized)."""
+    zero = getattr(module, "zero_code", None)           # m == -zero * d: the step derives it
+    return {"codes": module.codes, "d": module.d, "m": None if zero else module.m, "bias": module.bias,
+            "zero": zero or 0, "dims": (module.out_features, module.in_features, module.bits)}
 
 
 def _float(module: torch.nn.Linear) -> dict:

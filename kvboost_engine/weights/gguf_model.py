@@ -34,7 +34,7 @@ from ..paths import build_lock, cache_home
 from .gguf_blocks import dequantize
 from .gguf_file import GGUFFile, check_gguf
 from .gguf_header import read_architecture
-from .gguf_repack import repack, unpermute_rows
+from .gguf_repack import repack, unpermute_rows, zero_code
 from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
@@ -214,7 +214,7 @@ def load_packed_model(target: Path, config) -> nn.Module:
         old = getattr(owner, child)
         bias = tensors.get(f"{name}.bias")
         linear = PackedLinear(tensors[f"{name}.codes"], tensors[f"{name}.d"], tensors[f"{name}.m"], spec["bits"],
-                              spec["rows"], spec["cols"], bias)
+                              spec["rows"], spec["cols"], bias, zero_code(spec["type"]))
         if name == EMBEDDING:
             scale = getattr(old, "embed_scale", None)
             model.model.embed_tokens = PackedEmbedding(linear, torch.float32, padding_idx, scale)

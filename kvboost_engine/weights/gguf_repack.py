@@ -32,6 +32,14 @@ _K = {"Q4_K": 4, "Q5_K": 8}
 REQUANTIZED = ("Q6_K", "F32", "F16", "BF16")
 
 
+def zero_code(kind: str) -> int | None:
+    """The code whose value is 0 where a packed matrix of this GGUF type has m == -code * d exactly
+    (Q4_0 8, Q5_0 16, Q8_0 and the re-quantized types 128), else None (the file's own m)."""
+    if kind in REQUANTIZED:
+        return 128
+    return _HALF.get(kind, (None, None))[1]
+
+
 @dataclass(slots=True)
 class Repacked:
     """A matrix in the packed layout: tensors for PackedLinear, and how far it is from the file."""

@@ -23,12 +23,13 @@ SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORWARD_SLICE = 1 << 23         # weight values decoded to float at once by the PyTorch path (32 MB)
 
 
-def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
                scale_dtype: torch.dtype = torch.bfloat16, offset_dtype: torch.dtype = torch.float32) -> dict:
-    """codes uint8 [N, K] (< 2**bits), scale [N, K/32], offset [N, K/32] (what code 0 decodes to)
-    -> the kernel's tiles {"codes": uint8, "d": scale_dtype, "m": offset_dtype}, each flat:
-    codes [tiles, blocks, 256 (4-bit: octet, half, row, 4 cols) or 512 (8-bit: quad, row, 4 cols)],
-    d and m [tiles, blocks, 16 rows]. The caller checks the scales are exact in their dtype."""
+    """codes uint8 [N, K] (< 2**bits), scale [N, K/32], offset [N, K/32] (what code 0 decodes to;
+    None: no m, for a matrix whose m the native step derives from d) -> the kernel's tiles
+    {"codes": uint8, "d": scale_dtype, "m": offset_dtype or None}, each flat: codes [tiles, blocks,
+    256 (4-bit: octet, half, row, 4 cols) or 512 (8-bit: quad, row, 4 cols)], d and m [tiles,
+    blocks, 16 rows]. The caller checks the scales are exact in their dtype."""
     n, k = codes.shape
     tiles, blocks = n // TILE, k // BLOCK
     if bits == 4:
@@ -37,6 +38,8 @@ def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, b
     else:
         packed = codes.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     d = scale.to(scale_dtype).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
+    if offset is None:
+        return {"codes": packed.view(-1), "d": d.view(-1), "m": None}
     m = offset.to(offset_dtype).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
     return {"codes": packed.view(-1), "d": d.view(-1), "m": m.view(-1)}
 
@@ -60,8 +63,13 @@ class PackedLinear(nn.Module):
     """nn.Linear over a packed weight (module docstring): buffers codes, d, m (and bias)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
-                 out_features: int, in_features: int, bias: torch.Tensor | None = None):
+                 out_features: int, in_features: int, bias: torch.Tensor | None = None,
+                 zero_code: int | None = None):
+        """zero_code: where m == -zero_code * d exactly (Q4_0: 8, Q5_0: 16, Q8_0 and re-quantized
+        matrices: 128; a power of two), the native step derives m from d and never reads it."""
         super().__init__()
+        if zero_code is not None and (zero_code <= 0 or zero_code & (zero_code - 1)):
+            raise ValueError(f"zero_code is a power of two (got {zero_code})")
         if bits not in (4, 8) or out_features % TILE or in_features % BLOCK:
             raise ValueError(f"a packed weight is 4- or 8-bit with rows a multiple of {TILE} and columns of "
                              f"{BLOCK}; got {bits} bits, [{out_features}, {in_features}]")
@@ -69,6 +77,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"scales d {d.dtype} / m {m.dtype}: d is bf16, fp16 or fp32, m fp16 or fp32")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.exact_top = 0              # the native head recomputes its best rows in float (as _FormatLinear)
+        self.zero_code = zero_code
         self.register_buffer("codes", codes)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
