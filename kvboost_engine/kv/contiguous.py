@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import hugepages
 from .geometry import KVGeometry
 
 
@@ -25,7 +26,7 @@ class SequenceKV:
         self.geometry = g
         self.capacity = capacity
         self.pool = pool
-        self.data = torch.empty(2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim, dtype=g.dtype, device=device)
+        self.data = hugepages.empty((2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim), g.dtype, device)
         self.device = self.data.device
         self._slots: torch.Tensor | None = None
 
