@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import hugepages
 from .geometry import KVGeometry
 
 
@@ -26,7 +25,7 @@ class SequenceKV:
         self.geometry = g
         self.capacity = capacity
         self.pool = pool
-        self.data = hugepages.empty((2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim), g.dtype, device)
+        self.data = torch.empty(2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim, dtype=g.dtype, device=device)
         self.device = self.data.device
         self._slots: torch.Tensor | None = None
 

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from ..errors import BudgetError
-from . import hugepages
 from .geometry import KVGeometry
 
 CACHED, IN_USE = 0, 1          # holder kinds of a block reference
@@ -39,8 +38,8 @@ class BlockPool:
         self.ram_blocks = budget_bytes // self.block_bytes
         self.spill_blocks = spill_bytes // self.block_bytes if spill_dir else 0
         g, b = geometry, block_tokens
-        self.ram = hugepages.empty((2, g.num_layers, g.kv_heads, max(self.ram_blocks, 1) * b, g.head_dim),
-                                   dtype=g.dtype, device=device, pin_memory=pin_memory)
+        self.ram = torch.empty(2, g.num_layers, g.kv_heads, max(self.ram_blocks, 1) * b, g.head_dim,
+                               dtype=g.dtype, device=device, pin_memory=pin_memory)
         self.spill = _spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks else None
         total = self.ram_blocks + self.spill_blocks
         self.refs = np.zeros((2, total), dtype=np.int64)        # [holder kind, block]
