@@ -381,6 +381,7 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
   const int blocks = w.cols / BLOCK;
   constexpr size_t block_bytes = BITS == 4 ? 256 : 512;
   const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
+  const size_t tile_bytes = static_cast<size_t>(blocks) * block_bytes;
   const size_t sp = static_cast<size_t>(t) * blocks * TILE;
   const int32_t* xw[R];
   const float *dx[R], *sx[R];
@@ -397,8 +398,11 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
     vi s[R];
     const uint8_t* wb = wp;
     for (int b = 0; b < blocks; ++b, wb += block_bytes) {
-      if (h == 0)                              // the codes PREFETCH bytes on (the next tile's near a tile's end)
-        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH + line), _MM_HINT_T0);
+      // The codes PREFETCH bytes on (the next tile's near a tile's end); where a tile takes two passes
+      // (8-float vectors), the second, over codes already in cache, asks for the next tile's, so the
+      // memory reads go on through both passes (the 1.7B-shape AVX2 step 4-10 % faster in paired runs).
+      const uint8_t* ahead = h == 0 ? wb + PREFETCH : wb + tile_bytes;
+      for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
       dot_block<BITS, R>(wb, h, xb, s);
       const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW);
