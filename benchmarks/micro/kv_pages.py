@@ -23,7 +23,6 @@ Smoke: python -m benchmarks.micro.kv_pages --smoke
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import statistics
 import sys
@@ -39,7 +38,7 @@ from kvboost_engine.kv.pool import BlockPool
 from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.native.decoder import native_decoder
 
-from .._common import environment
+from .._common import environment, save_result
 from ..gguf_models import model_file
 
 STEPS = 4                   # steps per timed sample
@@ -175,9 +174,7 @@ def main(argv=None) -> None:
         result["rows"] += measure(model, contexts, args.repeats, args.threads)
     result["environment"] = environment(torch.nn.Linear(1, 1))
     if not args.smoke:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+        print("wrote", save_result(result, args.out, "kv_pages"))
 
 
 if __name__ == "__main__":
