@@ -13,6 +13,7 @@ MOVED_STRATEGIES = ("blend", "none", "full")
 MOVED_SELECTIONS = ("deviation", "attention")
 DEFAULT_DISK_BYTES = 8 * 1024**3
 KV_DEVICES = (None, "cpu")
+KV_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +56,15 @@ class EngineConfig:
         (pinned when the model is on CUDA) and attention runs there, while the weights stay on
         the model's device; only q/k/v and attention outputs cross the bus. For contexts whose KV
         does not fit on the GPU. Implies paged KV.
+    kv_dtype: the element type KV is kept in (the pool, the contiguous buffers, the disk tier):
+        None (default) the model's dtype; "bfloat16" or "float16" halve a float32 model's KV memory
+        and the bytes attention reads per step (llama.cpp keeps f16 KV by default). Keys and values
+        are rounded (to nearest even) when written and computed with in the model's dtype when read,
+        by every path alike, so reuse stays token-exact: a request with and without cache attends
+        over the same rounded KV (the native step's logits bit for bit; the PyTorch path's within
+        ~1e-2, where a key from a prefill's product and a decode step's round apart). The rounding
+        changes the numbers against float32 KV (the README gives the measured effect). Mixed into the cache fingerprint: disk entries of one KV dtype
+        are never read by an engine of another.
     native_decode: one sequence's decode step as one call into native code (kvboost_engine/native:
         every layer in AVX512 kernels, no PyTorch op per norm or projection), for float32 models
         and models converted with weights="int4" (Llama, Mistral, Qwen2 layouts, on CPU). None
@@ -93,6 +103,7 @@ class EngineConfig:
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     disk_kv_int8: bool = False
     kv_device: str | None = None
+    kv_dtype: str | None = None
     native_decode: bool | None = None
     max_running: int = 16
     max_batch_tokens: int | None = None
@@ -117,6 +128,8 @@ class EngineConfig:
             raise InputError(f"disk_cache_dir must be None or a path, got {self.disk_cache_dir!r}")
         if self.kv_device not in KV_DEVICES:
             raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InputError(f"kv_dtype must be None, 'float32', 'bfloat16' or 'float16', got {self.kv_dtype!r}")
         if self.kv_device == "cpu" and self.paged is False:
             raise InputError("kv_device='cpu' keeps KV in CPU pages: it needs paged KV (paged=None or True)")
         if self.max_batch_tokens is not None and self.max_batch_tokens < self.max_running:

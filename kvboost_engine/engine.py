@@ -32,7 +32,8 @@ from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
-                     logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype, weight_stats)
+                     kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype,
+                     weight_stats)
 
 
 class Engine:
@@ -52,9 +53,9 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        adapter = ModelAdapter(model)
+        adapter = ModelAdapter(model, getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None)
         self.adapter = adapter
-        self.fingerprint = model_fingerprint(model, adapter.rope_settings(), tokenizer)
+        self.fingerprint = kv_fingerprint(model_fingerprint(model, adapter.rope_settings(), tokenizer), adapter)
         if self.config.paged is None:
             paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
             self.config = dataclasses.replace(self.config, paged=paged)
@@ -281,14 +282,15 @@ class Engine:
         return total
 
     def stats(self) -> dict:
-        """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters; for
-        AWQ models also the kernel, weight bytes and (when streaming) bytes streamed, prefetch hit
-        rate, peak RSS."""
+        """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters, the
+        KV's element type (kv_dtype); for AWQ models also the kernel, weight bytes and (when
+        streaming) bytes streamed, prefetch hit rate, peak RSS."""
         with self._counter_lock:
             counters = dict(self._counters)
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
         native = native_stats(self._native, self._native_off)
-        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native}
+        kv = {"kv_dtype": str(self.adapter.geometry.dtype).removeprefix("torch.")}
+        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native, **kv}
 
     def memory(self) -> dict:
         """Bytes this engine holds for KV, by holder: the pool, cached chunks, running requests,

@@ -101,6 +101,14 @@ def cache_budget(config: EngineConfig, pool: BlockPool) -> int:
     return config.cache_bytes
 
 
+def kv_fingerprint(fingerprint: bytes, adapter: ModelAdapter) -> bytes:
+    """The cache's fingerprint: the model's, with the KV dtype mixed in where it is not the model's
+    (KV rounded to bfloat16 is never served to an engine that keeps float32 KV, nor the reverse)."""
+    if adapter.geometry.dtype == adapter.dtype:
+        return fingerprint
+    return xxhash.xxh3_128_digest(fingerprint + f"kv:{adapter.geometry.dtype}".encode())
+
+
 def disk_tier_for(config: EngineConfig, fingerprint: bytes):
     if not config.disk_cache_dir:
         return None

@@ -32,6 +32,9 @@ Run alone on a quiet machine (about 12 minutes on 2 cores for the defaults), wit
 (llama.cpp's tools always run without it: gguf.anchor_env):
   python -m benchmarks.micro.batching [--weights fp32,int4] [--gguf PATH]
       [--sections levels,unshared,transformers,prefill,memory,llama] [--out benchmarks/results/batching.json]
+With float16 KV (EngineConfig.kv_dtype; llama.cpp keeps f16 KV by default), our sections only:
+  python -m benchmarks.micro.batching --kv-dtype float16 --sections levels,unshared \
+      --out benchmarks/results/batching_f16kv.json
 Smoke: python -m benchmarks.micro.batching --smoke --sections levels,unshared,llama
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .paged import long_text
 NEW_TOKENS = 64
 SYSTEM_TOKENS = 1000
 PAIRS = 3
+ENGINE_OPTIONS: dict = {}                   # every engine's options (--kv-dtype)
 QUESTIONS = [f"Question {i}: what does record {i * 7} say, and which hall is it from?" for i in range(16)]
 
 
@@ -130,7 +134,7 @@ def paired_at_8(engine: Engine, conversations: list, pairs: int) -> dict:
 
 def section_levels(model, tokenizer) -> dict:
     system = long_text(SYSTEM_TOKENS, tokenizer)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, **ENGINE_OPTIONS)
     engine.warm([{"role": "system", "content": system}])
     serial = [wave(engine, [c]) for c in chats(system, 8)]
     serial_tok_s = sum(w["tokens"] for w in serial) / sum(w["wall_s"] for w in serial)
@@ -177,7 +181,7 @@ def section_unshared(model, tokenizer) -> dict:
     systems = [distinct_text(k, SYSTEM_TOKENS, tokenizer) for k in range(8)]
     conversations = [[{"role": "system", "content": s}, {"role": "user", "content": q}]
                      for s, q in zip(systems, QUESTIONS)]
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, **ENGINE_OPTIONS)
     for s in systems:
         engine.warm([{"role": "system", "content": s}])
     paired = paired_at_8(engine, conversations, PAIRS)
@@ -213,7 +217,7 @@ def section_transformers(model, tokenizer) -> dict:
     if hasattr(theirs, "destroy_cached_continuous_batching_manager"):
         theirs.destroy_cached_continuous_batching_manager()
     del theirs
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, **ENGINE_OPTIONS)
     for wave_no in (1, 2):
         w = wave(engine, conversations)
         out["kvboost"].append({"wave": wave_no, "wall_s": round(w["wall_s"], 2), "tok_s": round(w["tok_s"], 2),
@@ -225,7 +229,7 @@ def section_transformers(model, tokenizer) -> dict:
 
 def section_prefill(model, tokenizer) -> dict:
     long_prompt = long_text(4000, tokenizer)
-    engine = Engine(model, tokenizer, cache_bytes=0)
+    engine = Engine(model, tokenizer, cache_bytes=0, **ENGINE_OPTIONS)
     chunk = engine.config.prefill_chunk_tokens
     alone = engine.generate("Hi, who are you?", max_new_tokens=2)
     chunk_s: list[float] = []
@@ -245,7 +249,7 @@ def section_prefill(model, tokenizer) -> dict:
 
 def section_memory(model, tokenizer) -> dict:
     system = long_text(SYSTEM_TOKENS, tokenizer)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, **ENGINE_OPTIONS)
     engine.warm([{"role": "system", "content": system}])
     prompt_blocks = engine.stats()["pool_blocks_used"]
     streams = [engine.stream_chat(c, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS) for c in chats(system, 16)]
@@ -271,6 +275,8 @@ def main(argv=None) -> None:
     parser.add_argument("--weights", default="fp32,int4", help="comma list of fp32, int4")
     parser.add_argument("--gguf", help="also this GGUF file as stored (weights 'gguf'); llama runs on it")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench -t")
+    parser.add_argument("--kv-dtype", default="", help="our engines' KV element type (EngineConfig.kv_dtype: "
+                        "float32, float16, bfloat16; default: the model's dtype)")
     parser.add_argument("--out", default="benchmarks/results/batching.json")
     parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt; "
                         "llama-batched-bench on 16 prompt tokens and 4 new")
@@ -278,9 +284,11 @@ def main(argv=None) -> None:
     global NEW_TOKENS, SYSTEM_TOKENS, PAIRS
     if args.smoke:
         NEW_TOKENS, SYSTEM_TOKENS, PAIRS = 8, 100, 1
+    if args.kv_dtype:
+        ENGINE_OPTIONS["kv_dtype"] = args.kv_dtype
     names = [w for w in args.weights.split(",") if w] + (["gguf"] if args.gguf else [])
     sections = args.sections.split(",")
-    result: dict = {"weights": names}
+    result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model"}
     for index, name in enumerate(names):
         wanted = [s for s in sections if s in SECTIONS and (s in PER_WEIGHTS or index == 0)]
         if not wanted:

@@ -28,6 +28,9 @@ Instruction-set variants (#29): `--isa avx2,avxvnni` runs our rows once per vari
 (benchmarks/llama_tools.sh --avx2); the fair pair is our avx2 against llama.cpp's avx2:
   python -m benchmarks.micro.native_steps --config default:int4,1.7b:q4_0 \
       --isa avx2,avxvnni --llama-variant avx2 --out benchmarks/results/native_steps_avx2.json
+KV element type: `--kv-dtype ,float16` runs each of our configurations with the model's KV dtype and
+with float16 KV (EngineConfig.kv_dtype; llama.cpp's KV is f16, its default):
+  python -m benchmarks.micro.native_steps --kv-dtype ,float16 --out benchmarks/results/native_steps_kv.json
 Smoke: python -m benchmarks.micro.native_steps --smoke
 Results: benchmarks/results/native_steps.json (--out); a table of ours / llama.cpp is printed.
 """
@@ -56,9 +59,9 @@ def context_ids(tokenizer, n: int) -> list[int]:
 
 
 # ---- ours, in a child process ----------------------------------------------------------------
-def load(model: str, config: str, cache: bool):
+def load(model: str, config: str, cache: bool, kv_dtype: str = ""):
     from kvboost_engine import Engine
-    options = {} if cache else {"cache_bytes": 0}
+    options = ({} if cache else {"cache_bytes": 0}) | ({"kv_dtype": kv_dtype} if kv_dtype else {})
     if config == "fp32":
         return Engine.from_pretrained(**options)
     if config == "int4":
@@ -72,10 +75,10 @@ def measure_ours(args) -> dict:
     from kvboost_engine import Engine
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    engine = load(args.model, args.child, cache=True)
+    engine = load(args.model, args.child, cache=True, kv_dtype=args.kv_dtype)
     out = {"load_s": time.perf_counter() - started}
     tokenizer = engine.tokenizer
-    cold = Engine(engine.model, tokenizer, cache_bytes=0)          # prefill: nothing reused
+    cold = Engine(engine.model, tokenizer, cache_bytes=0, kv_dtype=engine.config.kv_dtype)  # prefill: nothing reused
     text = tokenizer.decode(context_ids(tokenizer, args.prefill_tokens))
     runs = [cold.generate(text, max_new_tokens=1) for _ in range(args.repeats + 1)][1:]
     out["prefill_tokens"] = runs[0].prompt_tokens
@@ -97,17 +100,19 @@ def measure_ours(args) -> dict:
     if forced and stats.get("native_isa") != forced:
         raise SystemExit(f"KVBOOST_NATIVE_ISA={forced}, but the native step is {stats.get('native_isa')}: "
                          f"{stats.get('native_decode_off')}")
-    out.update({k: v for k, v in stats.items() if k.startswith("native") or k == "weights_format"})
+    out.update({k: v for k, v in stats.items() if k.startswith("native") or k in ("weights_format", "kv_dtype")})
     out["peak_rss_bytes"] = _vm_kib("VmHWM") * 1024
     engine.close()
     return out
 
 
-def run_ours(model: str, config: str, args, isa: str = "") -> dict:
+def run_ours(model: str, config: str, args, isa: str = "", kv_dtype: str = "") -> dict:
     cmd = [sys.executable, "-m", "benchmarks.micro.native_steps", "--child", config, "--model", model,
+           "--kv-dtype", kv_dtype,
            "--threads", str(args.threads), "--repeats", str(args.repeats), "--depths", args.depths,
            "--decode-tokens", str(args.decode_tokens), "--prefill-tokens", str(args.prefill_tokens)]
-    row = {"model": model, "config": config, "side": "ours", "isa": isa or "best", "load_average": os.getloadavg()}
+    row = {"model": model, "config": config, "side": "ours", "isa": isa or "best", "load_average": os.getloadavg(),
+           "kv_dtype": kv_dtype or "model"}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **({"KVBOOST_NATIVE_ISA": isa} if isa else {}))
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -162,7 +167,8 @@ def table(rows: list[dict], depths: list[int]) -> str:
         speeds = [f"{r[k]:.1f}" if k in r else "-" for k in keys]
         ratios = [f"{r[k] / ref[k]:.2f}x" if k in r and ref.get(k) else "-" for k in keys]
         side = f"{r['side']} ({r.get('native_isa') or r.get('isa')})" if r.get("isa") else r["side"]
-        lines.append(f"| {r['model']} | {r['config']} | {side} | " + " | ".join(speeds + ratios) + " |")
+        config = f"{r['config']}, {r['kv_dtype']} KV" if r.get("kv_dtype") else r["config"]
+        lines.append(f"| {r['model']} | {config} | {side} | " + " | ".join(speeds + ratios) + " |")
     return "\n".join(lines)
 
 
@@ -183,6 +189,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/native_steps.json")
     parser.add_argument("--isa", default="", help="comma list of our native step's variants (avx512, avxvnni, "
                         "avx2: KVBOOST_NATIVE_ISA); default: the best this CPU runs")
+    parser.add_argument("--kv-dtype", default="", help="comma list of our KV element types (EngineConfig.kv_dtype: "
+                        "float32, float16, bfloat16; empty: the model's dtype); each configuration runs once per type")
     parser.add_argument("--llama-variant", default="", help="llama.cpp tools variant (avx2: the AVX2-only build)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -201,8 +209,9 @@ def main(argv=None) -> None:
             wanted = [c for c in args.config.split(",") if c]
             for config in [c for c in CONFIGS[model] if not wanted or c in wanted or f"{model}:{c}" in wanted]:
                 for isa in args.isa.split(","):
-                    rows.append(run_ours(model, config, args, isa))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    for kv_dtype in args.kv_dtype.split(","):
+                        rows.append(run_ours(model, config, args, isa, kv_dtype))
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.side in ("both", "llama"):
             rows.append(run_llama(model, args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

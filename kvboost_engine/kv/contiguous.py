@@ -36,8 +36,8 @@ class SequenceKV:
         self.data[1, layer, :, :, start:end] = values
 
     def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        self.data[0, layer, :, :, positions] = keys
-        self.data[1, layer, :, :, positions] = values
+        self.data[0, layer, :, :, positions] = keys.to(self.data.dtype)
+        self.data[1, layer, :, :, positions] = values.to(self.data.dtype)
 
     def gather(self, layer: int, positions: torch.Tensor):
         return self.data[0, layer, :, :, positions], self.data[1, layer, :, :, positions]
@@ -55,7 +55,7 @@ class SequenceKV:
 
     def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask=None,
                q_range=None, window=None):
-        keys, values = self.view(layer, end)
+        keys, values = (part.to(query.dtype) for part in self.view(layer, end))     # kv_dtype: cast on read
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                               scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
 

@@ -122,8 +122,9 @@ class PagedSequence:
                 self.write(layer, keys[:, :, i:i + 1], values[:, :, i:i + 1], p)
             return
         slots = self.slots()[positions.to(self.pool.ram.device)]
-        self.pool.ram[0, layer, :, slots] = keys[0]
-        self.pool.ram[1, layer, :, slots] = values[0]
+        ram = self.pool.ram
+        ram[0, layer, :, slots] = keys[0].to(ram.dtype)
+        ram[1, layer, :, slots] = values[0].to(ram.dtype)
 
     def gather(self, layer: int, positions: torch.Tensor):
         if not self._scatter_ok():
@@ -138,7 +139,7 @@ class PagedSequence:
         runs = self.runs(end)
         if len(runs) == 1 or end <= GATHER_MAX_KEYS:
             keys, values = (_joined([tensor[i, layer, :, slot:slot + n] for tensor, slot, _, n in runs])[None]
-                            for i in (0, 1))
+                            .to(query.dtype) for i in (0, 1))
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                                   scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
         full = None
@@ -184,8 +185,8 @@ class PagedSequence:
         if not scratch:
             scratch.update(self._shared_plan(seqs, ends, shared))
         ram = self.pool.ram
-        ram[0, layer].index_copy_(1, scratch["new"], keys[0])
-        ram[1, layer].index_copy_(1, scratch["new"], values[0])
+        ram[0, layer].index_copy_(1, scratch["new"], keys[0].to(ram.dtype))
+        ram[1, layer].index_copy_(1, scratch["new"], values[0].to(ram.dtype))
         parts = [attend_with_lse(query, ram[0, layer, :, slot:slot + n][None], ram[1, layer, :, slot:slot + n][None],
                                  None, scaling) for slot, n in scratch["runs"]]
         if scratch["gathered"] is not None:
@@ -245,6 +246,7 @@ def attend_with_lse(query, keys, values, mask, scale):
     _, heads, n, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    keys, values = keys.to(query.dtype), values.to(query.dtype)        # KV kept in another dtype (kv_dtype)
     q = query.reshape(1, kv_heads, group * n, dim)                      # rows: (group, position)
     additive = None
     visible = None

@@ -130,7 +130,8 @@ class ModelAdapter:
     to read and write KV. HF modules keep doing projections, norms, rotary and MLPs.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the element type of the model's KV (geometry.dtype); None: the model's dtype."""
         config = model.config
         self.spec = check_supported(config)
         self.model = model
@@ -147,7 +148,7 @@ class ModelAdapter:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        self.geometry = KVGeometry(len(self.layers), kv_heads, head_dim, self.dtype)
+        self.geometry = KVGeometry(len(self.layers), kv_heads, head_dim, kv_dtype or self.dtype)
         self.context_window = int(config.max_position_embeddings)
         self.layer_windows = tuple(self._window(i) for i in range(len(self.layers)))
         # which of the rotary's frequency sets each layer uses (None: the rotary has one set)

@@ -9,6 +9,7 @@ import torch
 
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # decode.cpp KvType
 NO_M = 3                                                         # ScaleType S_NONE: m not stored
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -27,9 +28,10 @@ class LayerArgs(ctypes.Structure):
 
 
 class ModelArgs(ctypes.Structure):
-    """The whole model: sizes, norm epsilon and attention scaling, the layers, final norm and head."""
+    """The whole model: sizes, the KV's element type (KV_TYPES), norm epsilon and attention scaling,
+    the layers, final norm and head."""
     _fields_ = [("layers", I32), ("hidden", I32), ("heads", I32), ("kv_heads", I32), ("head_dim", I32),
-                ("inter", I32), ("vocab", I32), ("exact_top", I32), ("threads", I32), ("unused", I32),
+                ("inter", I32), ("vocab", I32), ("exact_top", I32), ("threads", I32), ("kv_type", I32),
                 ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
                 ("stack", ctypes.POINTER(LayerArgs)), ("final_norm", P), ("head", MatArgs)]
 

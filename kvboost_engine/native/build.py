@@ -32,12 +32,13 @@ from ..paths import build_lock, cache_home
 from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 7
+ABI_VERSION = 8
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 # variant: (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS = {
-    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-DKVB_ISA_AVX512"),
-               ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma")),
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c",
+                "-DKVB_ISA_AVX512"),
+               ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c")),
     "avxvnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DKVB_ISA_AVXVNNI"), ("avx2", "fma", "f16c", "avx_vnni")),
     "avx2": (("-mavx2", "-mfma", "-mf16c", "-DKVB_ISA_AVX2"), ("avx2", "fma", "f16c")),
 }

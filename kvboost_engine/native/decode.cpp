@@ -42,6 +42,7 @@ constexpr size_t PREFETCH = 2048;   // bytes of weight codes asked for ahead of 
 
 enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3 };   // element type of a matrix's d and m
                                                                     // (S_NONE: m not stored)
+enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };               // element type of the KV (kv_dtype)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
   const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
@@ -63,7 +64,7 @@ struct Layer {
 
 // ---- ISA primitives ------------------------------------------------------------------------------
 // The kernels below are written once over these; build.py compiles one library per variant, chosen
-// by a macro: KVB_ISA_AVX512 (AVX512F/BW/VL/DQ + VNNI), KVB_ISA_AVXVNNI (AVX2 + FMA + F16C +
+// by a macro: KVB_ISA_AVX512 (AVX512F/BW/VL/DQ + VNNI, F16C), KVB_ISA_AVXVNNI (AVX2 + FMA + F16C +
 // AVX-VNNI), KVB_ISA_AVX2 (AVX2 + FMA + F16C). API (VW = float lanes of a vector: 16 or 8):
 //   vf                                a vector of VW floats
 //   vzero() vset1(f) vload(p) vstore(p, v) vload_n(p, n) / vstore_n(p, v, n) (first n < VW lanes;
@@ -570,6 +571,56 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// KV rows of element type KT (KvType): float32, or float16 / bfloat16 read as floats and written
+// rounded to nearest even (as PyTorch's .to() rounds), NaN as PyTorch writes it.
+template <int KT> struct KvElem { using type = uint16_t; };
+template <> struct KvElem<KV_F32> { using type = float; };
+
+template <int KT>
+inline vf kv_load(const typename KvElem<KT>::type* p) {
+  if constexpr (KT == KV_F32) return vload(p);
+  else if constexpr (KT == KV_F16) return f16_to_f32(p);
+  else return bf16_to_f32(p);
+}
+
+template <int KT>
+inline float kv_scalar(const typename KvElem<KT>::type* p) {
+  if constexpr (KT == KV_F32) return *p;
+  else if constexpr (KT == KV_F16) return _cvtsh_ss(*p);
+  else return bf16_scalar(*p);
+}
+
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// n floats from src into the KV element at `at` (element offset into base), type kv_type
+inline void kv_put(void* base, int kv_type, int64_t at, const float* src, int n) {
+  if (kv_type == KV_F32) {
+    std::memcpy(static_cast<float*>(base) + at, src, sizeof(float) * n);
+  } else if (kv_type == KV_F16) {
+    uint16_t* dst = static_cast<uint16_t*>(base) + at;
+    for (int i = 0; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(base) + at;
+    for (int i = 0; i < n; ++i) dst[i] = bf16_round(src[i]);
+  }
+}
+
+// the dot product of a float query and a KV row of n elements (vector by vector, then the tail)
+template <int KT>
+inline float kv_dot(const float* a, const typename KvElem<KT>::type* b, int n) {
+  vf acc = vzero();
+  int i = 0;
+  for (; i + VW <= n; i += VW) acc = vfma(vload(a + i), kv_load<KT>(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * kv_scalar<KT>(b + i);
+  return s;
+}
+
 // SiLU(g) * u over n values
 void silu_mul(const float* g, const float* u, int n, float* out) {
   int i = 0;
@@ -589,12 +640,14 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
 // vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
 // key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
 // a head depend on its query and the block's keys only.
-template <int D, int H>
-void attend_heads(const float* q, int head_dim, const float* kbase, const float* vbase, const int64_t* slots,
+template <int KT, int D, int H>
+void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
+                  const typename KvElem<KT>::type* vbase, const int64_t* slots,
                   int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
+  using E = typename KvElem<KT>::type;
   for (int i = 0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
-    const float* k[VW];
+    const E* k[VW];
     for (int j = 0; j < cnt; ++j) k[j] = kbase + slots[i + j] * stride;
     for (int h = 0; h < H; ++h) {
       vf qv[D];
@@ -602,8 +655,8 @@ void attend_heads(const float* q, int head_dim, const float* kbase, const float*
       vf p[VW];
       for (int j = 0; j < VW; ++j) {
         if (j < cnt) {
-          vf s = vmul(qv[0], vload(k[j]));
-          for (int c = 1; c < D; ++c) s = vfma(qv[c], vload(k[j] + VW * c), s);
+          vf s = vmul(qv[0], kv_load<KT>(k[j]));
+          for (int c = 1; c < D; ++c) s = vfma(qv[c], kv_load<KT>(k[j] + VW * c), s);
           p[j] = s;
         } else {
           p[j] = vzero();
@@ -640,9 +693,9 @@ void attend_heads(const float* q, int head_dim, const float* kbase, const float*
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < D; ++c) a0[h][c] = a1[h][c] = vzero();
   auto add_row = [&](int j, vf (&acc)[H][D]) __attribute__((always_inline)) {
-    const float* v = vbase + slots[j] * stride;
+    const E* v = vbase + slots[j] * stride;
     vf vv[D];
-    for (int c = 0; c < D; ++c) vv[c] = vload(v + VW * c);
+    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
     for (int h = 0; h < H; ++h) {
       const vf w = vset1(sc[h * KEY_BLOCK + j]);
       for (int c = 0; c < D; ++c) acc[h][c] = vfma(w, vv[c], acc[h][c]);
@@ -753,7 +806,7 @@ class Team {
 
 // One row of a step: the token at `pos` of a sequence, over that sequence's KV.
 struct Row {
-  float* kv;                 // [2, layers, kv_heads, slots, head_dim]-shaped with element strides st (4)
+  void* kv;                  // [2, layers, kv_heads, slots, head_dim]-shaped with element strides st (4), kv_type
   const int64_t* st;
   const int64_t* slots;      // slots[p]: the slot of position p
   int64_t pos;
@@ -764,6 +817,7 @@ struct Row {
 
 struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
+  int kv_type = KV_F32;       // KvType of every row's KV
   bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
   std::vector<Layer> stack;
@@ -833,13 +887,15 @@ struct Decoder {
   // at most KEY_BLOCK, from the row's first key): per head, the block's top score, sum of
   // exp(score - top) and sum of exp(score - top) * value into partial task0 + h * nb. A row's blocks
   // depend on its position only, never on the threads or the other rows.
+  template <int KT>
   void attend_block(int layer, const Row& row, int r, int hd0, int count, int64_t k0, int64_t k1, int task0, int nb,
                     float* sc) {
+    using E = typename KvElem<KT>::type;
     const int64_t* st = row.st;
     const int64_t* slots = row.slots + k0;
     const float* q = qkv.data() + static_cast<size_t>(r) * qkv_w + hd0 * head_dim;
-    const float* kbase = row.kv + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
-    const float* vbase = kbase + st[0];
+    const E* kbase = static_cast<const E*>(row.kv) + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
+    const E* vbase = kbase + st[0];
     const int n = static_cast<int>(k1 - k0);
     float* out[4];
     float* ml[4];
@@ -850,10 +906,10 @@ struct Decoder {
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                      \
     switch (count) {                                                                                       \
-      case 1: return attend_heads<DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
-      case 2: return attend_heads<DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
-      case 3: return attend_heads<DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
-      default: return attend_heads<DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 1: return attend_heads<KT, DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 2: return attend_heads<KT, DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 3: return attend_heads<KT, DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      default: return attend_heads<KT, DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
     }
     if (head_dim == D * VW) {
       switch (D) {
@@ -870,7 +926,7 @@ struct Decoder {
       const float* qh = q + h * head_dim;
       float top = -INFINITY;
       for (int i = 0; i < n; ++i) {
-        sc[i] = dot(qh, kbase + slots[i] * st[3], head_dim) * scaling;
+        sc[i] = kv_dot<KT>(qh, kbase + slots[i] * st[3], head_dim) * scaling;
         top = std::max(top, sc[i]);
       }
       float sum = 0.f;
@@ -880,8 +936,8 @@ struct Decoder {
       }
       std::memset(out[h], 0, sizeof(float) * head_dim);
       for (int j = 0; j < n; ++j) {
-        const float* v = vbase + slots[j] * st[3];
-        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * v[c];
+        const E* v = vbase + slots[j] * st[3];
+        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * kv_scalar<KT>(v + c);
       }
       ml[h][0] = top;
       ml[h][1] = sum;
@@ -937,7 +993,11 @@ struct Decoder {
       const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
       for (int hd = g * group; hd < (g + 1) * group; hd += 4) {
         const int count = std::min(4, (g + 1) * group - hd);
-        attend_block(l, rows[r], r, hd, count, k0, k1, off[r] + hd * nb + blk, nb, scores[id].data());
+        float* sc = scores[id].data();
+        const int task = off[r] + hd * nb + blk;
+        if (kv_type == KV_F16) attend_block<KV_F16>(l, rows[r], r, hd, count, k0, k1, task, nb, sc);
+        else if (kv_type == KV_BF16) attend_block<KV_BF16>(l, rows[r], r, hd, count, k0, k1, task, nb, sc);
+        else attend_block<KV_F32>(l, rows[r], r, hd, count, k0, k1, task, nb, sc);
       }
     }
     team.barrier(n);
@@ -968,9 +1028,9 @@ struct Decoder {
       for (int hd = 0; hd < heads; ++hd) rotate(q + hd * head_dim, row.cos, row.sin, head_dim);
       for (int g = 0; g < kv_heads; ++g) {
         rotate(k + g * head_dim, row.cos, row.sin, head_dim);
-        float* at = row.kv + l * row.st[1] + g * row.st[2] + row.slots[row.pos] * row.st[3];
-        std::memcpy(at, k + g * head_dim, sizeof(float) * head_dim);
-        std::memcpy(at + row.st[0], v + g * head_dim, sizeof(float) * head_dim);
+        const int64_t at = l * row.st[1] + g * row.st[2] + row.slots[row.pos] * row.st[3];
+        kv_put(row.kv, kv_type, at, k + g * head_dim, head_dim);
+        kv_put(row.kv, kv_type, at + row.st[0], v + g * head_dim, head_dim);
       }
     }
     team.barrier(n);
@@ -1072,7 +1132,7 @@ struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v 
 };
 
 struct ModelArgs {
-  int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, unused;
+  int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, kv_type;   // KvType
   float eps, scaling;
   const LayerArgs* stack;    // [layers]
   const float* final_norm;
@@ -1088,7 +1148,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 7; }
+int kvb_abi_version() { return 8; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }
@@ -1103,7 +1163,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   auto* dec = new Decoder(args->threads);
   dec->layers = args->layers; dec->hidden = args->hidden; dec->heads = args->heads; dec->kv_heads = args->kv_heads;
   dec->head_dim = args->head_dim; dec->inter = args->inter; dec->vocab = args->vocab; dec->exact_top = args->exact_top;
-  dec->eps = args->eps; dec->scaling = args->scaling;
+  dec->eps = args->eps; dec->scaling = args->scaling; dec->kv_type = args->kv_type;
   for (int l = 0; l < dec->layers; ++l) {
     const LayerArgs& a = args->stack[l];
     Layer L;

@@ -21,6 +21,9 @@ with and without cache decodes through the same step). A model whose every decod
 head is a PackedLinear (weights/packed.py: a quantized file's codes, d in bf16 / fp16 / fp32, m in
 fp16 / fp32, already in the kernel's tiles) is read in place too: no copy, no repack.
 
+KV is float32, or float16 / bfloat16 (EngineConfig.kv_dtype): the step reads those rows as floats
+and writes its own K and V rounded to nearest even, as the PyTorch path's `.to()` does.
+
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
 types), float32, and either every decoder linear layer in int4 with the head in int8
 (`weights="int4"`), or every one of them in float32, or every one of them packed.
@@ -111,6 +114,8 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
         return reason
     if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
         return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
+    if adapter.geometry.dtype not in abi.KV_TYPES:
+        return f"KV in {adapter.geometry.dtype} (the step reads float32, float16 or bfloat16 KV)"
     if getattr(adapter.model, "kvboost_streamer", None) is not None:
         return "layers are streamed"
     kind = weights_kind(adapter)
@@ -137,6 +142,7 @@ class NativeDecoder:
         self._lib = lib
         plain, g = adapter.plain_llama()[0], adapter.geometry
         self._keep = []                                         # every tensor the native side points at
+        self.kv_dtype = g.dtype                                 # float32, or float16 / bfloat16 (kv_dtype)
         self.kind = weights_kind(adapter)
         # Sequences decoding together: up to this many take one native step over all of them (one
         # row each, each row's numbers the same as its step alone); more take the PyTorch batch.
@@ -160,7 +166,7 @@ class NativeDecoder:
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
         model = abi.ModelArgs(len(parts), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
-                              self.vocab, self.exact_top, threads, 0, plain.rms_norm_eps, parts[0].scaling, stack,
+                              self.vocab, self.exact_top, threads, abi.KV_TYPES[g.dtype], plain.rms_norm_eps, parts[0].scaling, stack,
                               self._hold(plain.final_norm.float()), abi.mat_args(head, self._hold))
         self._handle = lib.kvb_decoder_new(ctypes.byref(model))
         self.threads = threads
@@ -192,7 +198,7 @@ class NativeDecoder:
         if view is None:
             return None
         ram, slots = view
-        if ram.dtype != torch.float32 or ram.stride(-1) != 1 or slots.dtype != torch.int64 or position >= len(slots):
+        if ram.dtype != self.kv_dtype or ram.stride(-1) != 1 or slots.dtype != torch.int64 or position >= len(slots):
             return None
         return view
 
