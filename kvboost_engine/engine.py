@@ -32,8 +32,7 @@ from .request.runner import ModelRunner
 from .request.sampling import SamplingParams
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
-                     kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype,
-                     weight_stats)
+                     kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype, weight_stats)
 
 
 class Engine:
@@ -282,15 +281,14 @@ class Engine:
         return total
 
     def stats(self) -> dict:
-        """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters, the
-        KV's element type (kv_dtype); for AWQ models also the kernel, weight bytes and (when
-        streaming) bytes streamed, prefetch hit rate, peak RSS."""
+        """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters, KV dtype;
+        for AWQ models also the kernel, weight bytes, bytes streamed, prefetch hit rate, peak RSS."""
         with self._counter_lock:
             counters = dict(self._counters)
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
         native = native_stats(self._native, self._native_off)
-        kv = {"kv_dtype": str(self.adapter.geometry.dtype).removeprefix("torch.")}
-        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native, **kv}
+        return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native,
+                "kv_dtype": str(self.adapter.geometry.dtype).removeprefix("torch.")}
 
     def memory(self) -> dict:
         """Bytes this engine holds for KV, by holder: the pool, cached chunks, running requests,

@@ -10,6 +10,7 @@
 // matrix then reads 4 or 8 bits per weight and its d only (a tenth fewer bytes). Float32 weights
 // (bits = 32, the model's own row-major matrices) are read as they are, with the float activations.
 // Each row's arithmetic is the same whatever M and whatever rows share the step (batch-invariant).
+// KV rows are float32, or float16 / bfloat16 (kv_type): read as floats, written rounded to nearest.
 //
 // Plain C ABI (loaded with ctypes; no PyTorch headers): the caller keeps every tensor alive and
 // passes raw pointers. Written for kvboost (kvboost_engine/native/decoder.py gives the layouts).
