@@ -63,8 +63,8 @@ class EngineConfig:
         by every path alike, so reuse stays token-exact: a request with and without cache attends
         over the same rounded KV (the native step's logits bit for bit; the PyTorch path's within
         ~1e-2, where a key from a prefill's product and a decode step's round apart). The rounding
-        changes the numbers against float32 KV (the README gives the measured effect). Mixed into the cache fingerprint: disk entries of one KV dtype
-        are never read by an engine of another.
+        changes the numbers against float32 KV (the README gives the measured effect). Mixed into
+        the cache fingerprint: disk entries of one KV dtype are never read by an engine of another.
     native_decode: one sequence's decode step as one call into native code (kvboost_engine/native:
         every layer in AVX512 kernels, no PyTorch op per norm or projection), for float32 models
         and models converted with weights="int4" (Llama, Mistral, Qwen2 layouts, on CPU). None

@@ -166,8 +166,9 @@ class NativeDecoder:
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
         model = abi.ModelArgs(len(parts), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
-                              self.vocab, self.exact_top, threads, abi.KV_TYPES[g.dtype], plain.rms_norm_eps, parts[0].scaling, stack,
-                              self._hold(plain.final_norm.float()), abi.mat_args(head, self._hold))
+                              self.vocab, self.exact_top, threads, abi.KV_TYPES[g.dtype], plain.rms_norm_eps,
+                              parts[0].scaling, stack, self._hold(plain.final_norm.float()),
+                              abi.mat_args(head, self._hold))
         self._handle = lib.kvb_decoder_new(ctypes.byref(model))
         self.threads = threads
         self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
