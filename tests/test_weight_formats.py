@@ -180,6 +180,11 @@ def test_int_formats_convert_tensor_by_tensor_and_reload_without_the_float_file(
         scale = scale_zeros[..., 0].T.float().repeat_interleave(32, dim=1)
         offset = scale_zeros[..., 1].T.float().repeat_interleave(32, dim=1) - 8 * scale
         assert torch.equal(down.dequantized(), codes.float() * scale + offset)
+        # m is the quantizer's bf16 zero (code 8's value), not a float32 offset: 5 bits a weight
+        assert (down.m.dtype, down.m_code, down.zero_code) == (torch.bfloat16, 8, None)
+    head = model.lm_head                      # int8, m = -128 d: the native step derives m, reads d only
+    assert (head.bits, head.zero_code, head.m.dtype) == (8, 128, torch.bfloat16)
+    assert torch.equal(head.m.float(), -128 * head.d.float())
     import transformers
 
     from kvboost_engine.weights import hf_pack

@@ -95,10 +95,11 @@ ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
 
 def _packed(module: PackedLinear) -> dict:
     """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy); m
-    is not read where it is -zero_code * d (Q4_0, Q5_0, Q8_0, re-quantized)."""
+    is not read where it is -zero_code * d (Q4_0, Q5_0, Q8_0, re-quantized), and is the value of
+    code m_code where the module has one (weights="int4": the step computes m - m_code * d)."""
     zero = getattr(module, "zero_code", None)           # m == -zero * d: the step derives it
     return {"codes": module.codes, "d": module.d, "m": None if zero else module.m, "bias": module.bias,
-            "zero": zero or 0, "dims": (module.out_features, module.in_features, module.bits)}
+            "zero": zero or getattr(module, "m_code", 0), "dims": (module.out_features, module.in_features, module.bits)}
 
 
 def _float(module: torch.nn.Linear) -> dict:

@@ -214,7 +214,8 @@ def load_packed_model(target: Path, config) -> nn.Module:
         old = getattr(owner, child)
         bias = tensors.get(f"{name}.bias")
         linear = PackedLinear(tensors[f"{name}.codes"], tensors[f"{name}.d"], tensors[f"{name}.m"], spec["bits"],
-                              spec["rows"], spec["cols"], bias, zero_code(spec.get("type", "")))
+                              spec["rows"], spec["cols"], bias, spec.get("zero_code", zero_code(spec.get("type", ""))),
+                              spec.get("m_code", 0))
         if name == EMBEDDING:
             scale = getattr(old, "embed_scale", None)
             model.model.embed_tokens = PackedEmbedding(linear, torch.float32, padding_idx, scale)

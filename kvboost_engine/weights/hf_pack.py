@@ -35,7 +35,7 @@ from .pack_file import PackWriter
 from .safetensors_file import SafetensorsFile
 from .packed import BLOCK, TILE, pack_codes
 
-PACK_VERSION = "hf-pack-1"
+PACK_VERSION = "hf-pack-2"        # 2: int4 m in bf16 for code 8, int8 m derived (zero_code)
 BITS = {"int4": 4, "int8": 8}
 log = logging.getLogger(__name__)
 
@@ -75,17 +75,20 @@ def _plan(model: nn.Module, stored: dict, fmt: str, config) -> dict[str, tuple] 
     return plan
 
 
-def _packed(weight: torch.Tensor, bits: int) -> dict:
+def _packed(weight: torch.Tensor, bits: int) -> tuple[dict, dict]:
+    """(the kernel's tiles, what the index records of them): int4 keeps the quantizer's bf16 zero as
+    m, the value of code 8 (m_code; 5 bits a weight, not 5.5 with a float32 offset); int8 stores m =
+    -128 d (exact in bf16) for the PyTorch path, which the native step derives (zero_code)."""
     n, k = weight.shape
     if bits == 4:
         codes, scale_zeros = quantize_int4_groups(weight, INT4_GROUP)
-        scale = scale_zeros[..., 0].T                                        # [N, K/32] bf16
-        offset = scale_zeros[..., 1].T.float() - 8 * scale.float()          # what code 0 decodes to
-        return pack_codes(codes.to(torch.uint8), scale, offset, 4, torch.bfloat16, torch.float32)
+        scale, zero = scale_zeros[..., 0].T, scale_zeros[..., 1].T               # [N, K/32] bf16 each
+        return pack_codes(codes.to(torch.uint8), scale, zero, 4, torch.bfloat16, torch.bfloat16), {"m_code": 8}
     q, scales = quantize_int8_rows(weight)
     scale = scales[:, None].expand(n, k // BLOCK)
     codes = (q.to(torch.int16) + 128).to(torch.uint8)
-    return pack_codes(codes, scale, -128 * scale.float(), 8, torch.bfloat16, torch.float32)
+    d = scale.to(torch.bfloat16)
+    return pack_codes(codes, d, -128 * d, 8, torch.bfloat16, torch.bfloat16), {"zero_code": 128}
 
 
 def _write(model, stored: dict, plan: dict, writer: PackWriter) -> dict:
@@ -94,11 +97,11 @@ def _write(model, stored: dict, plan: dict, writer: PackWriter) -> dict:
         tensor = stored[full].read(full)                    # float32 copy; the file's pages released
         name = full.rpartition(".")[0]
         if kind == "matrix":
-            packed = _packed(tensor, bits)
+            packed, codes_of = _packed(tensor, bits)
             for part in ("codes", "d", "m"):
                 writer.add(f"{name}.{part}", packed[part])
             matrices[name] = {"bits": bits, "rows": tensor.shape[0], "cols": tensor.shape[1], "type": "float",
-                              "max_error": 0.0}
+                              "max_error": 0.0, **codes_of}
         else:
             writer.add(full, tensor)
             floats.append(full)

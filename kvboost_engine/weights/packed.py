@@ -2,7 +2,9 @@
 quantized file kept exactly (GGUF Q4_0 / Q4_1 / Q8_0 / K-quants; weights/gguf_model.py builds them).
 
 A weight [N, K] is stored as integer codes (4 or 8 bits) with, per row and block of 32 input
-columns, a scale `d` and the value of code 0 `m`: w[n, k] = code * d + m. Tiles of 16 rows x 32
+columns, a scale `d` and an offset `m`: w[n, k] = code * d + m, or, for a matrix with an `m_code`
+(weights="int4": m is the bf16 zero of code 8), w = code * d + (m - m_code * d), code 0's value
+computed in float32 with one rounding (m_code * d is exact: a power of two). Tiles of 16 rows x 32
 columns (`pack_codes`): what native/decode.cpp reads with vpdpbusd, so the native step reads these
 very tensors, with no copy. `d` and `m` keep the file's own precision: float16 for Q4_0 / Q4_1 /
 Q8_0 (GGUF stores fp16; Q4_0's m = -8 d and Q8_0's m = -128 d are exact in fp16 too), float32 for
@@ -64,35 +66,45 @@ class PackedLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
                  out_features: int, in_features: int, bias: torch.Tensor | None = None,
-                 zero_code: int | None = None):
+                 zero_code: int | None = None, m_code: int = 0):
         """zero_code: where m == -zero_code * d exactly (Q4_0: 8, Q5_0: 16, Q8_0 and re-quantized
-        matrices: 128; a power of two), the native step derives m from d and never reads it."""
+        matrices: 128; a power of two), the native step derives m from d and never reads it.
+        m_code: m is the value of this code (a power of two; 0: of code 0), so m may be stored in
+        bf16 (weights="int4": the quantizer's own bf16 zero, half the bytes of a float32 offset)."""
         super().__init__()
-        if zero_code is not None and (zero_code <= 0 or zero_code & (zero_code - 1)):
-            raise ValueError(f"zero_code is a power of two (got {zero_code})")
+        for name, code in (("zero_code", zero_code), ("m_code", m_code or None)):
+            if code is not None and (code <= 0 or code & (code - 1)):
+                raise ValueError(f"{name} is a power of two (got {code})")
+        if zero_code is not None and m_code:
+            raise ValueError("zero_code (m derived from d) and m_code (m stored for a code) exclude each other")
         if bits not in (4, 8) or out_features % TILE or in_features % BLOCK:
             raise ValueError(f"a packed weight is 4- or 8-bit with rows a multiple of {TILE} and columns of "
                              f"{BLOCK}; got {bits} bits, [{out_features}, {in_features}]")
-        if d.dtype not in SCALE_DTYPES or m.dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"scales d {d.dtype} / m {m.dtype}: d is bf16, fp16 or fp32, m fp16 or fp32")
+        if d.dtype not in SCALE_DTYPES or m.dtype not in SCALE_DTYPES:
+            raise ValueError(f"scales d {d.dtype} / m {m.dtype}: each is bf16, fp16 or fp32")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.exact_top = 0              # the native head recomputes its best rows in float (as _FormatLinear)
         self.zero_code = zero_code
+        self.m_code = m_code
         self.register_buffer("codes", codes)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
-        """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d + m
-        (an fp16/fp32 product and sum)."""
+        """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d +
+        offset (an fp16/fp32 product and sum; `offset_of`)."""
         k, end = self.in_features, self.out_features if end is None else end
         tiles = self.out_features // TILE
         n, t0, t1 = end - first, first // TILE, end // TILE
         codes = unpack_codes(self.codes.view(tiles, -1)[t0:t1].reshape(-1), n, k, self.bits).view(n, k // BLOCK, BLOCK)
         d = unpack_scales(self.d.view(tiles, -1)[t0:t1].reshape(-1), n, k)[..., None]
         m = unpack_scales(self.m.view(tiles, -1)[t0:t1].reshape(-1), n, k)[..., None]
-        return torch.addcmul(m, codes.float(), d).view(n, k)
+        return torch.addcmul(self.offset_of(m, d), codes.float(), d).view(n, k)
+
+    def offset_of(self, m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """Code 0's value from float32 m and d: m, or m - m_code * d (what the native step computes)."""
+        return m - self.m_code * d if self.m_code else m
 
     def float_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Weight rows `index` [T] as float32 [T, K]."""
@@ -115,7 +127,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"d={str(self.d.dtype).removeprefix('torch.')}, bias={self.bias is not None}")
+                f"d={str(self.d.dtype).removeprefix('torch.')}, m={str(self.m.dtype).removeprefix('torch.')}, "
+                f"bias={self.bias is not None}")
 
 
 class PackedEmbedding(nn.Module):
@@ -144,7 +157,7 @@ class PackedEmbedding(nn.Module):
             c = codes.view(-1, blocks, 8, TILE, 4)[torch.arange(len(flat)), :, :, row].reshape(len(flat), k)
         d = t.d.view(-1, blocks, TILE)[tiles, :, row].float()                       # [R, B]
         m = t.m.view(-1, blocks, TILE)[tiles, :, row].float()
-        values = torch.addcmul(m[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
+        values = torch.addcmul(t.offset_of(m, d)[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
         values = values.view(*ids.shape, k).to(self.out_dtype)
         return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
 
