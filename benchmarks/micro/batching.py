@@ -16,7 +16,8 @@ Sections:
               at 8 again, each wave right after its own serial baseline, 3 times.
   unshared    8 concurrent chats with nothing shared: 8 different ~1k-token system prompts (each
               warmed, so both sides prefill only the question), each sequence reading its own KV:
-              speed-up over serial, paired as above, greedy identical to serial.
+              speed-up over serial, paired as above, greedy identical to serial, and the read bound
+              (8 (W + K) / (W + 8 K): weights W read once per step, each sequence's KV K its own).
   llama       llama-batched-bench on the default model's Q4_0 GGUF (or --gguf): -c 4096 -b 512 -ub 512
               -npp 400 -ntg 48 -npl 1,8 -t 2, with -pps (the prompt shared) and without: speed_tg
               (decode tok/s, all sequences), speed_pp and speed (all tokens / all time) at 1 and 8.
@@ -51,7 +52,8 @@ import torch
 from kvboost_engine import Engine, ForwardEvent
 
 from .._common import environment, load_default
-from .batching_report import linear_s, llama_batched, load_weights, summary, summary_table, weight_read_s
+from .batching_report import (kv_bytes_per_token, linear_s, llama_batched, load_weights, step_read_bytes, summary,
+                              summary_table, unshared_bound, weight_read_s)
 from .paged import long_text
 
 NEW_TOKENS = 64
@@ -185,11 +187,17 @@ def section_unshared(model, tokenizer) -> dict:
     for s in systems:
         engine.warm([{"role": "system", "content": s}])
     paired = paired_at_8(engine, conversations, PAIRS)
+    context = statistics.mean(len(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False)) for c in conversations)
+    weight_bytes, kv_bytes = step_read_bytes(model), int((context + NEW_TOKENS / 2) * kv_bytes_per_token(engine))
     engine.close()
-    return {**paired, "system_tokens_each": SYSTEM_TOKENS,
+    return {**paired, "system_tokens_each": SYSTEM_TOKENS, "weight_read_bytes": weight_bytes,
+            "kv_read_bytes_per_sequence": kv_bytes, "read_bound_at_8": unshared_bound(weight_bytes, kv_bytes),
             "note": "8 chats, each over its own warmed ~1k-token system prompt: every sequence reads its "
                     "own KV; speedup: wall tokens/s at once over serial; decode_speedup: sequences / mean gap "
-                    "between tokens at once over 1 / mean gap serially"}
+                    "between tokens at once over 1 / mean gap serially; read_bound_at_8: the speed-up if a step "
+                    "cost only its memory reads, 8 (W + K) / (W + 8 K), W the weights a step reads, K one "
+                    "sequence's KV at its mean length (prompt + half the new tokens)"}
 
 
 def section_transformers(model, tokenizer) -> dict:

@@ -61,6 +61,29 @@ def linear_s(model, rows: int) -> float:
     return best
 
 
+def step_read_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and large buffer, less the stored m of
+    packed matrices whose m the native step derives from d (zero_code)."""
+    from kvboost_engine.weights.packed import PackedLinear
+    tensors = [p for p in model.parameters()] + [b for b in model.buffers() if b.numel() > 1024]
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    skipped = {id(m.m): m.m for m in model.modules() if isinstance(m, PackedLinear) and m.zero_code}
+    return total - sum(t.numel() * t.element_size() for t in skipped.values())
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of K and V one token of context holds, every layer (the engine's KV dtype)."""
+    g = engine.adapter.geometry
+    elem = torch.empty((), dtype=g.dtype).element_size()
+    return len(engine.adapter.layers) * 2 * g.kv_heads * g.head_dim * elem
+
+
+def unshared_bound(weight_bytes: int, kv_bytes: int, rows: int = 8) -> float:
+    """Speed-up at `rows` sequences with nothing shared if a step cost only its memory reads: one pass
+    over the weights plus each sequence's own KV, against one sequence's step (weights + its KV)."""
+    return round(rows * (weight_bytes + kv_bytes) / (weight_bytes + rows * kv_bytes), 2)
+
+
 def llama_batched(gguf: str | None, threads: int, smoke: bool = False) -> dict:
     """llama-batched-bench at 1 and 8 sequences, the prompt shared (-pps) and not."""
     path = Path(gguf) if gguf else model_file("default", "q4_0")
@@ -108,7 +131,8 @@ def summary(result: dict) -> dict:
             un = sections["unshared"]
             row.update({"unshared_speedup_at_8": un["median_speedup"],
                         "unshared_decode_speedup_at_8": un["median_decode_speedup"],
-                        "unshared_greedy_same_as_serial": un["greedy_same_as_serial"]})
+                        "unshared_greedy_same_as_serial": un["greedy_same_as_serial"],
+                        "unshared_read_bound_at_8": un.get("read_bound_at_8")})
         out["weights"][name] = row
     out["llama_tg_tok_s"] = {f"{key}@{pl}": _llama_tg(result, key, pl) for key in ("shared", "unshared") for pl in (1, 8)}
     out["note"] = ("speedup: wall tokens/s of 8 at once over serial (paired, median); decode speed-up: sequences / "
@@ -121,7 +145,7 @@ def summary_table(s: dict) -> str:
     cols = ["serial_tok_s", "shared_speedup_at_8", "shared_decode_speedup_at_8", "unshared_speedup_at_8",
             "unshared_decode_speedup_at_8", "tok_s_at_8", "decode_tok_s_at_8", "decode_at_8_vs_llama",
             "greedy_same_as_serial", "unshared_greedy_same_as_serial", "step_speedup_at_8", "bound_at_8",
-            "bound_at_8_linear"]
+            "bound_at_8_linear", "unshared_read_bound_at_8"]
     lines = ["| weights | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, row in s["weights"].items():
         lines.append(f"| {name} | " + " | ".join(str(row.get(c, "-")) for c in cols) + " |")

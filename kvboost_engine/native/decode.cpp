@@ -641,27 +641,43 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
 // vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
 // key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
 // a head depend on its query and the block's keys only.
+// The cache lines of KV rows first .. end (each D vectors of E) asked for ahead of their use.
+template <typename E, int D>
+inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, int first, int end) {
+  constexpr int row_bytes = D * VW * static_cast<int>(sizeof(E));
+  for (int j = first; j < end; ++j) {
+    const char* p = reinterpret_cast<const char*>(base + slots[j] * stride);
+    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
+constexpr int KEYS_AHEAD = 2 * 16;   // key rows asked for ahead of the scores in use (the KV of a long
+                                     // context streamed at well under the weights' rate without it)
+
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
                   int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
   using E = typename KvElem<KT>::type;
+  prefetch_rows<E, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
   for (int i = 0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
+    // the keys KEYS_AHEAD on, and this group's values (summed once the block's scores are done)
+    prefetch_rows<E, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
+    prefetch_rows<E, D>(vbase, slots, stride, i, i + cnt);
+    // A last, partial group scores its last key again in the lanes past cnt (never stored): lane j
+    // of vsum_lanes depends on p[j] only, so the kept lanes are those of a full group, and the
+    // loop has no branch per key.
     const E* k[VW];
-    for (int j = 0; j < cnt; ++j) k[j] = kbase + slots[i + j] * stride;
+    for (int j = 0; j < VW; ++j) k[j] = kbase + slots[i + std::min(j, cnt - 1)] * stride;
     for (int h = 0; h < H; ++h) {
       vf qv[D];
       for (int c = 0; c < D; ++c) qv[c] = vload(q + h * head_dim + VW * c);
       vf p[VW];
       for (int j = 0; j < VW; ++j) {
-        if (j < cnt) {
-          vf s = vmul(qv[0], kv_load<KT>(k[j]));
-          for (int c = 1; c < D; ++c) s = vfma(qv[c], kv_load<KT>(k[j] + VW * c), s);
-          p[j] = s;
-        } else {
-          p[j] = vzero();
-        }
+        vf s = vmul(qv[0], kv_load<KT>(k[j]));
+        for (int c = 1; c < D; ++c) s = vfma(qv[c], kv_load<KT>(k[j] + VW * c), s);
+        p[j] = s;
       }
       const vf s = vmul(vsum_lanes(p), vset1(scaling));
       if (cnt == VW) vstore(sc + h * KEY_BLOCK + i, s);
