@@ -207,7 +207,11 @@ def native_decoder_for(config: EngineConfig, adapter: ModelAdapter):
 
 def native_stats(decoder, reason: str | None) -> dict:
     """stats()'s native entries: whether the native step runs, its instruction-set variant
-    (native_isa), and why it is off (native_decode_off)."""
+    (native_isa), and why it is off (native_decode_off); whether prompt chunks run natively
+    (native_prefill) and why not (native_prefill_off)."""
     if decoder is None:
         return {"native_decode": False, "native_isa": None, "native_decode_off": reason}
-    return {"native_decode": True, "native_isa": decoder.isa}
+    out = {"native_decode": True, "native_isa": decoder.isa, "native_prefill": decoder.native_prefill}
+    if not decoder.native_prefill:
+        out["native_prefill_off"] = decoder.prefill_off
+    return out

@@ -208,6 +208,31 @@ def test_float_default_reply_equals_the_pytorch_loop(smol):
 
 
 @needs_cpu
+@pytest.mark.parametrize("native_prefill", ["0", "1"])
+def test_float_prompt_chunks_native_or_on_the_layer_loop(smol, monkeypatch, native_prefill):
+    """Float32 prompt chunks run natively or on PyTorch's layer loop (MKL on Intel CPUs; forced here
+    by $KVBOOST_NATIVE_PREFILL), decode stays native; stats() says which, and a reply over a cached
+    prompt is the same as cold either way (prompt and decode take the same paths with and without cache)."""
+    from kvboost_engine.native import decoder as native_module
+    model, tokenizer = smol
+    monkeypatch.setenv(native_module.PREFILL_ENV, native_prefill)
+    calls = []
+    real = native_module.NativeDecoder.prefill
+    monkeypatch.setattr(native_module.NativeDecoder, "prefill", lambda self, *a: calls.append(1) or real(self, *a))
+    engine = Engine(model, tokenizer)
+    stats = engine.stats()
+    assert stats["native_decode"] is True and stats["native_prefill"] is (native_prefill == "1")
+    assert ("native_prefill_off" in stats) is (native_prefill == "0")
+    chat = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Name three colors."}]
+    cold = Engine(model, tokenizer, cache_bytes=0).chat(chat, max_new_tokens=16, min_new_tokens=16)
+    engine.chat(chat, max_new_tokens=16, min_new_tokens=16)
+    warm = engine.chat(chat, max_new_tokens=16, min_new_tokens=16)
+    assert warm.reused_tokens > 0 and warm.token_ids == cold.token_ids
+    assert bool(calls) is (native_prefill == "1")
+
+
+@needs_cpu
 def test_an_interrupt_in_a_native_step_leaves_the_cache_consistent(smol, monkeypatch):
     from kvboost_engine.native.decoder import NativeDecoder
     model, tokenizer = smol

@@ -48,7 +48,8 @@ class FastDecode(Protocol):
         same numbers as its own step; None when some KV cannot run it."""
 
     def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
-        """Tokens at start.. over `kv` (a plain chunk, as __call__ below): the last one's logits, or None."""
+        """Tokens at start.. over `kv` (a plain chunk, as __call__ below): the last one's logits, or None.
+        Not called where the implementation's `native_prefill` is False (the layer loop runs chunks)."""
 
 
 class Forward:
@@ -68,8 +69,10 @@ class Forward:
         if self.fast_decode is not None:
             if len(token_ids) == 1:
                 logits = self.fast_decode(kv, token_ids[0], start)
-            else:
+            elif getattr(self.fast_decode, "native_prefill", True):
                 logits = self.fast_decode.prefill(kv, token_ids, start)
+            else:
+                logits = None                   # prompt chunks on the layer loop (fast_decode.prefill_off)
             if logits is not None:
                 return logits
         a = self.adapter
@@ -143,8 +146,8 @@ class Forward:
                 for i, out in zip(decoding, rows):
                     logits[i] = out
             for i, (kv, ids, start) in enumerate(items):
-                if len(ids) > 1:
-                    logits[i] = fast.prefill(kv, ids, start)
+                if len(ids) > 1:            # as alone: the fast prefill, or the layer loop where it is off
+                    logits[i] = fast.prefill(kv, ids, start) if getattr(fast, "native_prefill", True) else self(kv, ids, start)
             return [out if want else None for out, want in zip(logits, want_logits)]
         a = self.adapter
         rows, steps, positions, lo = [], [], [], 0

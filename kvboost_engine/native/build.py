@@ -59,6 +59,15 @@ def cpu_flags() -> tuple[set[str] | None, str | None]:
         return None, f"cannot read /proc/cpuinfo ({err})"
 
 
+def cpu_vendor() -> str | None:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
 def isa_reason(isa: str) -> str | None:
     """Why this machine cannot run variant `isa` (None: it can)."""
     if isa not in ISAS:
