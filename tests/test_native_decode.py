@@ -212,7 +212,7 @@ def test_float_default_reply_equals_the_pytorch_loop(smol):
 def test_float_prompt_chunks_native_or_on_the_layer_loop(smol, monkeypatch, native_prefill):
     """Float32 prompt chunks run natively or on PyTorch's layer loop (MKL on Intel CPUs; forced here
     by $KVBOOST_NATIVE_PREFILL), decode stays native; stats() says which, and a reply over a cached
-    prompt is the same as cold either way (prompt and decode take the same paths with and without cache)."""
+    prompt has the same tokens as cold either way."""
     from kvboost_engine.native import decoder as native_module
     model, tokenizer = smol
     monkeypatch.setenv(native_module.PREFILL_ENV, native_prefill)

@@ -35,6 +35,7 @@ def use_kvboost_attention(model: torch.nn.Module) -> None:
 
 class FastDecode(Protocol):
     batch_limit: int        # up to this many decoding sequences take one fast step together (decode_rows)
+    native_prefill: bool    # False: prompt chunks of more than one token take the layer loop, not prefill()
 
     def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
         """Compute one token at `position` over `kv` (its KV written in place) and return logits
@@ -49,7 +50,7 @@ class FastDecode(Protocol):
 
     def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
         """Tokens at start.. over `kv` (a plain chunk, as __call__ below): the last one's logits, or None.
-        Not called where the implementation's `native_prefill` is False (the layer loop runs chunks)."""
+        Not called where `native_prefill` is False (the layer loop runs chunks)."""
 
 
 class Forward:
@@ -69,7 +70,7 @@ class Forward:
         if self.fast_decode is not None:
             if len(token_ids) == 1:
                 logits = self.fast_decode(kv, token_ids[0], start)
-            elif getattr(self.fast_decode, "native_prefill", True):
+            elif self.fast_decode.native_prefill:
                 logits = self.fast_decode.prefill(kv, token_ids, start)
             else:
                 logits = None                   # prompt chunks on the layer loop (fast_decode.prefill_off)
@@ -147,7 +148,7 @@ class Forward:
                     logits[i] = out
             for i, (kv, ids, start) in enumerate(items):
                 if len(ids) > 1:            # as alone: the fast prefill, or the layer loop where it is off
-                    logits[i] = fast.prefill(kv, ids, start) if getattr(fast, "native_prefill", True) else self(kv, ids, start)
+                    logits[i] = fast.prefill(kv, ids, start) if fast.native_prefill else self(kv, ids, start)
             return [out if want else None for out, want in zip(logits, want_logits)]
         a = self.adapter
         rows, steps, positions, lo = [], [], [], 0

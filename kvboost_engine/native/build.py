@@ -48,13 +48,18 @@ _loaded: dict = {}
 _lock = threading.Lock()
 
 
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where absent); OSError where unreadable."""
+    with open("/proc/cpuinfo") as info:
+        return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), "")
+
+
 def cpu_flags() -> tuple[set[str] | None, str | None]:
     """(this CPU's flags, None), or (None, why they do not matter: not x86-64 Linux, unreadable)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"native decode needs x86-64 Linux (this is {platform.system()} {platform.machine()})"
     try:
-        with open("/proc/cpuinfo") as info:
-            return set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])), None
+        return set(_cpuinfo("flags").split()), None
     except OSError as err:
         return None, f"cannot read /proc/cpuinfo ({err})"
 
@@ -62,8 +67,7 @@ def cpu_flags() -> tuple[set[str] | None, str | None]:
 def cpu_vendor() -> str | None:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or None where it cannot be read."""
     try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), None)
+        return _cpuinfo("vendor_id") or None
     except OSError:
         return None
 

@@ -164,9 +164,8 @@ class NativeDecoder:
         # Sequences decoding together: up to this many take one native step over all of them (one
         # row each, each row's numbers the same as its step alone); more take the PyTorch batch.
         self.batch_limit = 64
-        # Prompt chunks of more than one token natively (prefill), or the PyTorch loop (prefill_off says why)
+        # why prompt chunks of more than one token take the PyTorch loop, not prefill() (None: they do not)
         self.prefill_off = float_prefill_off() if self.kind == "float" else None
-        self.native_prefill = self.prefill_off is None
         parts = [adapter.layer_parts(i) for i in range(len(adapter.layers))]
         stack = (abi.LayerArgs * len(parts))()
         for layer, args, window in zip(parts, stack, adapter.layer_windows):
@@ -196,6 +195,11 @@ class NativeDecoder:
         self._static_rope = rope in STATIC_ROPE
         self._cos = self._sin = None
         self._strides = {}
+
+    @property
+    def native_prefill(self) -> bool:
+        """Whether prompt chunks run natively (Forward calls prefill()) or on the PyTorch loop."""
+        return self.prefill_off is None
 
     def _hold(self, tensor: torch.Tensor) -> int:
         tensor = tensor.detach().contiguous()
