@@ -56,6 +56,13 @@ def test_variant_prefill_matches_pytorch_and_any_chunking(isa, tmp_path, weights
                                                                           kv_factory)
 
 
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_variant_rows_over_shared_key_blocks_match_serial_steps(isa, tmp_path, weights):
+    arch = test_native_rows.ARCHS[0]
+    test_native_rows.test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, *arch)
+    test_native_rows.test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights, *arch)
+
+
 @pytest.mark.parametrize("model_type,overrides", test_native_rows.ARCHS, ids=test_native_rows.ARCH_IDS)
 def test_variant_int4_step_tracks_the_pytorch_step(isa, tmp_path, model_type, overrides):
     test_native_decode.test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, overrides, _contiguous)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvboost_engine.kv.contiguous import SequenceKV
 from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
@@ -156,3 +157,23 @@ def test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, mo
                 assert torch.equal(w, g)
     for a, b, p in zip(serial, batch, positions):
         assert all(torch.equal(x, y) for x, y in zip(_kv_state(a, adapter, p + 3), _kv_state(b, adapter, p + 3)))
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+@pytest.mark.parametrize("model_type,overrides", [ARCHS[0], ARCHS[3]], ids=[ARCH_IDS[0], ARCH_IDS[3]])
+def test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights, model_type, overrides):
+    """The rows of one prompt chunk past a whole key block (here 20 rows after 280 tokens) read that
+    block's keys once in shared tasks of up to 8 rows; logits and KV stay those of token-by-token steps."""
+    model = make(weights, model_type, overrides, tmp_path)
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    prompt = [(11 * i + 5) % 900 + 3 for i in range(300)]
+    kv_chunks, kv_steps = (SequenceKV(adapter.geometry, 304, adapter.device) for _ in range(2))
+    with torch.inference_mode():
+        decoder.prefill(kv_chunks, prompt[:280], 0)
+        chunked = decoder.prefill(kv_chunks, prompt[280:], 280)
+        for p, t in enumerate(prompt):
+            stepped = decoder(kv_steps, t, p)
+    assert torch.equal(chunked, stepped)
+    assert all(torch.equal(x, y) for x, y in zip(_kv_state(kv_chunks, adapter, 300), _kv_state(kv_steps, adapter, 300)))

@@ -74,6 +74,9 @@ struct Layer {
 //   vsum(v) vhmax(v)                  horizontal sum / max (the order is fixed per ISA)
 //   vsum_lanes(p)                     VW vectors -> one: lane j = the sum of p[j]'s lanes (one fixed tree
 //                                     for every j, whatever the other vectors hold)
+//   vsum_across(p)                    the same tree over p[0 .. VW) lane by lane (vertical adds): equal to
+//                                     vsum_lanes of the turned-over vectors, bit for bit
+//   transpose(r)                      VW vectors of VW floats turned over in place (r[i][j] -> r[j][i])
 //   vexp(v)                           e^v (v <= 88; 0 below the float range)
 //   load_scales<T>(p, i)              VW scales of ScaleType T from p + i, as floats
 //   f16_scalar(h) bf16_scalar(h)      one scale
@@ -122,6 +125,40 @@ inline vf vsum_lanes(const vf* p) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+// v as it is, hidden from the compiler's contraction of a product and a sum into one FMA (a rounding
+// less: not the numbers of the kernel this one must equal)
+inline vf opaque(vf v) { asm("" : "+v"(v)); return v; }
+// The same tree as vsum_lanes with the roles turned: lane j of p[l] is lane l of key j's vector, so
+// lane j of the result is vsum_lanes' lane j for key j, bit for bit (vertical adds only)
+inline vf vsum_across(const vf* p) {
+  vf s[4];
+  for (int g = 0; g < 4; ++g) s[g] = _mm512_add_ps(_mm512_add_ps(p[4 * g], p[4 * g + 2]), _mm512_add_ps(p[4 * g + 1], p[4 * g + 3]));
+  return _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
+}
+// r[i] lane j -> r[j] lane i (a 16 x 16 block of floats turned over, in registers)
+inline void transpose(vf* r) {
+  vf t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {          // u[4i + k], 128-bit group g: rows 4i .. 4i + 3 of column 4g + k
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const vf w0 = _mm512_shuffle_f32x4(u[k], u[4 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    const vf w1 = _mm512_shuffle_f32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    const vf w2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    const vf w3 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    r[k] = _mm512_shuffle_f32x4(w0, w2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + k] = _mm512_shuffle_f32x4(w0, w2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + k] = _mm512_shuffle_f32x4(w1, w3, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + k] = _mm512_shuffle_f32x4(w1, w3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
 }
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -218,6 +255,31 @@ inline vf vsum_lanes(const vf* p) {
     b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+inline vf opaque(vf v) { asm("" : "+x"(v)); return v; }    // see the AVX-512 one
+// The same tree as vsum_lanes with the roles turned (see the AVX-512 one)
+inline vf vsum_across(const vf* p) {
+  vf s[2];
+  for (int g = 0; g < 2; ++g) s[g] = _mm256_add_ps(_mm256_add_ps(p[4 * g], p[4 * g + 2]), _mm256_add_ps(p[4 * g + 1], p[4 * g + 3]));
+  return _mm256_add_ps(s[0], s[1]);
+}
+// r[i] lane j -> r[j] lane i (8 x 8, in registers)
+inline void transpose(vf* r) {
+  vf t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {          // u[4i + k], 128-bit half g: rows 4i .. 4i + 3 of column 4g + k
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
 }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -654,6 +716,29 @@ inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, i
 constexpr int KEYS_AHEAD = 2 * 16;   // key rows asked for ahead of the scores in use (the KV of a long
                                      // context streamed at well under the weights' rate without it)
 
+// One head's n scores of a block (sh) -> exp(score - top) in place; ml = top, their sum.
+inline void block_softmax(float* sh, int n, float* ml) {
+  vf tv = vset1(-INFINITY);
+  int i = 0;
+  for (; i + VW <= n; i += VW) tv = vmax(tv, vload(sh + i));
+  float top = vhmax(tv);
+  for (; i < n; ++i) top = std::max(top, sh[i]);
+  tv = vset1(top);
+  vf sum = vzero();
+  for (i = 0; i + VW <= n; i += VW) {
+    const vf e = vexp(vsub(vload(sh + i), tv));
+    vstore(sh + i, e);
+    sum = vadd(sum, e);
+  }
+  if (i < n) {
+    const vf e = vexp(vsub(vload_n(sh + i, n - i), tv));
+    vstore_n(sh + i, e, n - i);
+    sum = vadd(sum, vkeep_n(e, n - i));
+  }
+  ml[0] = top;
+  ml[1] = vsum(sum);
+}
+
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
@@ -684,28 +769,7 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
       else vstore_n(sc + h * KEY_BLOCK + i, s, cnt);
     }
   }
-  for (int h = 0; h < H; ++h) {
-    float* sh = sc + h * KEY_BLOCK;
-    vf tv = vset1(-INFINITY);
-    int i = 0;
-    for (; i + VW <= n; i += VW) tv = vmax(tv, vload(sh + i));
-    float top = vhmax(tv);
-    for (; i < n; ++i) top = std::max(top, sh[i]);
-    tv = vset1(top);
-    vf sum = vzero();
-    for (i = 0; i + VW <= n; i += VW) {
-      const vf e = vexp(vsub(vload(sh + i), tv));
-      vstore(sh + i, e);
-      sum = vadd(sum, e);
-    }
-    if (i < n) {
-      const vf e = vexp(vsub(vload_n(sh + i, n - i), tv));
-      vstore_n(sh + i, e, n - i);
-      sum = vadd(sum, vkeep_n(e, n - i));
-    }
-    ml[h][0] = top;
-    ml[h][1] = vsum(sum);
-  }
+  for (int h = 0; h < H; ++h) block_softmax(sc + h * KEY_BLOCK, n, ml[h]);
   vf a0[H][D], a1[H][D];
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < D; ++c) a0[h][c] = a1[h][c] = vzero();
@@ -729,6 +793,89 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
   for (; j < n; ++j) add_row(j, a0);
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < D; ++c) vstore(out[h] + VW * c, two ? vadd(a0[h][c], a1[h][c]) : a0[h][c]);
+}
+
+constexpr int SHARED_ROWS = 8;    // rows at most in one task over a shared key block
+
+// Rows 0 .. RV of a shared block's values (the rows' exp scores in sc, row r head h at
+// (r H + h) KEY_BLOCK): each value row read once for the RV rows and H heads; each row's sums those of
+// attend_heads (the same accumulators in the same key order).
+template <int KT, int D, int H, int RV>
+inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int n,
+                          const float* sc, float* const* out) {
+  using E = typename KvElem<KT>::type;
+  constexpr bool two = H * D <= 8;
+  vf a0[RV][H][D], a1[RV][H][D];
+  for (int r = 0; r < RV; ++r)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < D; ++c) a0[r][h][c] = a1[r][h][c] = vzero();
+  auto add_row = [&](int j, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
+    const E* v = vbase + slots[j] * stride;
+    vf vv[D];
+    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+    for (int r = 0; r < RV; ++r)
+      for (int h = 0; h < H; ++h) {
+        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + j]);
+        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
+      }
+  };
+  int j = 0;
+  if constexpr (two) {
+    for (; j + 2 <= n; j += 2) {
+      add_row(j, a0);
+      add_row(j + 1, a1);
+    }
+  }
+  for (; j < n; ++j) add_row(j, a0);
+  for (int r = 0; r < RV; ++r)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < D; ++c) vstore(out[r * H + h] + VW * c, two ? vadd(a0[r][h][c], a1[r][h][c]) : a0[r][h][c]);
+}
+
+// attend_heads for R rows (2 .. SHARED_ROWS) over one block of keys they share (the same KV rows):
+// row r's queries at q[r] + h * head_dim, its partials at out / ml[r * H + h]. Each group of VW key
+// rows is read once and turned over (kt: lanes = keys), so a score is VW lanes of FMAs per query
+// column, added across by vsum_across: the same products, chains and tree as attend_heads' for that
+// row alone, and the same numbers, bit for bit, with the key loads, conversions and lane shuffles
+// shared by the R H heads. sc: [R H KEY_BLOCK] scores; kt: [D VW] vectors of scratch.
+template <int KT, int D, int H>
+void attend_shared(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
+                   const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int n,
+                   float scaling, float* sc, float* kt, float* const* out, float* const* ml) {
+  using E = typename KvElem<KT>::type;
+  prefetch_rows<E, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
+  for (int i = 0; i < n; i += VW) {
+    const int cnt = std::min(VW, n - i);
+    prefetch_rows<E, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
+    prefetch_rows<E, D>(vbase, slots, stride, i, i + cnt);
+    const E* k[VW];
+    for (int j = 0; j < VW; ++j) k[j] = kbase + slots[i + std::min(j, cnt - 1)] * stride;
+    for (int c = 0; c < D; ++c) {            // kt[c VW + l] lane j: column c VW + l of key i + j
+      vf t[VW];
+      for (int j = 0; j < VW; ++j) t[j] = kv_load<KT>(k[j] + VW * c);
+      transpose(t);
+      for (int l = 0; l < VW; ++l) vstore(kt + (c * VW + l) * VW, t[l]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) {
+        const float* qh = q[r] + h * head_dim;
+        vf p[VW];
+        for (int l = 0; l < VW; ++l) {
+          vf s = vmul(vset1(qh[l]), vload(kt + l * VW));
+          for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + l]), vload(kt + (c * VW + l) * VW), s);
+          p[l] = D == 1 ? opaque(s) : s;       // a bare product (D = 1) stays rounded before the tree
+        }
+        const vf s = vmul(vsum_across(p), vset1(scaling));
+        float* row = sc + (r * H + h) * KEY_BLOCK + i;
+        if (cnt == VW) vstore(row, s);
+        else vstore_n(row, s, cnt);
+      }
+  }
+  for (int rh = 0; rh < R * H; ++rh) block_softmax(sc + rh * KEY_BLOCK, n, ml[rh]);
+  constexpr int RV = std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1))));   // registers
+  int r = 0;
+  for (; r + RV <= R; r += RV) shared_values<KT, D, H, RV>(vbase, slots, stride, n, sc + r * H * KEY_BLOCK, out + r * H);
+  for (; r < R; ++r) shared_values<KT, D, H, 1>(vbase, slots, stride, n, sc + r * H * KEY_BLOCK, out + r * H);
 }
 
 // The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
@@ -847,9 +994,8 @@ struct Decoder {
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
-  std::vector<std::vector<float>> scores;      // per thread [4 KEY_BLOCK]
-  std::vector<std::vector<int>> task_off;      // per thread: attention partials before each row
-  std::vector<std::vector<int>> task_order;    // per thread: (row, KV head, block) of each task, in order
+  std::vector<std::vector<float>> scores;      // per thread [SHARED_ROWS 4 KEY_BLOCK]
+  std::vector<std::vector<float>> turned;      // per thread: a group of keys turned over [16 VW VW]
   std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
@@ -981,45 +1127,163 @@ struct Decoder {
     }
   }
 
-  // Attention of the M rows (their K and V written): (row, KV head, key block) tasks split across the
-  // threads, so heads and keys of a long context share the cores; then each row's partials combined.
+  // Rows `count` (2 ..) of a task over one key block k0 .. k1 they share, heads hd0 .. hd0 + hcount of
+  // KV head hd0 / group, blk the block's index in each row's own blocks (their partials): one
+  // attend_shared over the block, bit for bit each row's attend_block. Head sizes that are no whole
+  // number of vectors never share (plan_for).
+  template <int KT>
+  void attend_rows(int layer, const Row* rows, const int* which, int count, int hd0, int hcount, int64_t k0, int64_t k1,
+                   int blk, const std::vector<int>& off, float* sc, float* kt) {
+    using E = typename KvElem<KT>::type;
+    const Row& lead = rows[which[0]];
+    const int64_t* st = lead.st;
+    const E* kbase = static_cast<const E*>(lead.kv) + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
+    const E* vbase = kbase + st[0];
+    const int n = static_cast<int>(k1 - k0);
+    const float* q[SHARED_ROWS];
+    float* out[SHARED_ROWS * 4];
+    float* ml[SHARED_ROWS * 4];
+    for (int i = 0; i < count; ++i) {
+      const int r = which[i];
+      const int nb = key_blocks(first_key(stack[layer], rows[r].pos), rows[r].pos);
+      q[i] = qkv.data() + static_cast<size_t>(r) * qkv_w + hd0 * head_dim;
+      for (int h = 0; h < hcount; ++h) {
+        const size_t task = off[r] + static_cast<size_t>(hd0 + h) * nb + blk;
+        out[i * hcount + h] = part_o.data() + task * head_dim;
+        ml[i * hcount + h] = part_ml.data() + 2 * task;
+      }
+    }
+    const int D = head_dim / VW;
+#define KVB_HEADS(DD)                                                                                            \
+    switch (hcount) {                                                                                            \
+      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
+      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
+      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
+      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
+    }
+    switch (D) {
+      case 1: KVB_HEADS(1)
+      case 2: KVB_HEADS(2)
+      case 4: KVB_HEADS(4)
+      case 8: KVB_HEADS(8)
+      default: KVB_HEADS(16)
+    }
+#undef KVB_HEADS
+  }
+
+  // The attention tasks of a step's layers of one window: the rows over each key block grouped by the
+  // KV they read (rows of sequences mapping the same cached blocks, or of one prompt chunk, read the
+  // same keys), and each group's tasks (group, KV head, block) in the order key block, KV head,
+  // group, with the keys each costs. Built once per step and window, the same on every thread.
+  struct Task { int first, count, g, blk; };    // rows plan.rows[first .. first + count), KV head g
+  struct Plan {
+    int64_t window = 0;
+    std::vector<int> off;                    // partials before row r ([M + 1])
+    std::vector<int> rows;                   // each task's rows, one run per task
+    std::vector<Task> tasks;
+    std::vector<int64_t> cost;               // keys (times rows) of the tasks before task i
+  };
+  std::vector<Plan> plans;                   // one per window of the stack (the step's)
+
+  bool shared_keys(const Row& a, const Row& b, int64_t k0, int64_t k1) const {
+    if (a.kv != b.kv || a.st[0] != b.st[0] || a.st[1] != b.st[1] || a.st[2] != b.st[2] || a.st[3] != b.st[3]) return false;
+    return a.slots == b.slots || std::memcmp(a.slots + k0, b.slots + k0, sizeof(int64_t) * (k1 - k0)) == 0;
+  }
+
+  void plan_for(Plan& plan, int64_t window, const Row* rows, int M) {
+    plan.window = window;
+    Layer probe{};
+    probe.window = static_cast<int>(window);
+    plan.off.assign(M + 1, 0);
+    int most = 0;
+    for (int r = 0; r < M; ++r) {
+      const int nb = key_blocks(first_key(probe, rows[r].pos), rows[r].pos);
+      plan.off[r + 1] = plan.off[r] + heads * nb;
+      most = std::max(most, nb);
+    }
+    const bool can_share = head_dim % VW == 0 && head_dim / VW <= 16 && ((head_dim / VW) & (head_dim / VW - 1)) == 0;
+    plan.rows.clear();
+    plan.tasks.clear();
+    plan.cost.assign(1, 0);
+    std::vector<std::vector<int>> groups;    // the rows over block b, by the keys they read
+    for (int b = 0; b < most; ++b) {
+      groups.clear();
+      for (int r = 0; r < M; ++r) {
+        const int64_t k0 = first_key(probe, rows[r].pos) + static_cast<int64_t>(b) * KEY_BLOCK;
+        if (k0 > rows[r].pos) continue;      // no block b
+        const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
+        std::vector<int>* join = nullptr;
+        if (can_share) {
+          for (auto& gr : groups) {
+            const Row& a = rows[gr[0]];
+            const int64_t a0 = first_key(probe, a.pos) + static_cast<int64_t>(b) * KEY_BLOCK;
+            if (static_cast<int>(gr.size()) < SHARED_ROWS && a0 == k0 && std::min<int64_t>(a.pos + 1, a0 + KEY_BLOCK) == k1 &&
+                shared_keys(a, rows[r], k0, k1)) { join = &gr; break; }
+          }
+        }
+        if (join) join->push_back(r);
+        else groups.push_back({r});
+      }
+      for (int g = 0; g < kv_heads; ++g)
+        for (const auto& gr : groups) {
+          const Row& a = rows[gr[0]];
+          const int64_t k0 = first_key(probe, a.pos) + static_cast<int64_t>(b) * KEY_BLOCK;
+          const int64_t keys = std::min<int64_t>(a.pos + 1, k0 + KEY_BLOCK) - k0;
+          plan.tasks.push_back({static_cast<int>(plan.rows.size()), static_cast<int>(gr.size()), g, b});
+          plan.rows.insert(plan.rows.end(), gr.begin(), gr.end());
+          plan.cost.push_back(plan.cost.back() + static_cast<int64_t>(gr.size()) * (keys + VW));
+        }
+    }
+  }
+
+  void plan_step(const Row* rows, int M) {
+    std::vector<int64_t> windows;
+    for (const Layer& L : stack)
+      if (std::find(windows.begin(), windows.end(), L.window) == windows.end()) windows.push_back(L.window);
+    plans.resize(windows.size());
+    for (size_t i = 0; i < windows.size(); ++i) plan_for(plans[i], windows[i], rows, M);
+  }
+
+  // Attention of the M rows (their K and V written): the plan's tasks split across the threads by
+  // their keys (each thread a run of tasks of about equal cost), so heads and keys of a long context
+  // share the cores; then each row's partials combined. Every partial is computed by one thread with
+  // the arithmetic of its row alone, whichever rows share its task and whatever the split.
   void attention(int l, const Row* rows, int M, int id, int n) {
     const Layer& L = stack[l];
-    std::vector<int>& off = task_off[id];                 // tasks before row r (every thread the same)
-    off.resize(M + 1);
-    off[0] = 0;
-    for (int r = 0; r < M; ++r) off[r + 1] = off[r] + heads * key_blocks(first_key(L, rows[r].pos), rows[r].pos);
-    // Tasks (row, KV head, key block), each all the heads of its KV head, run in the order: key block,
-    // KV head, row (the rows over the same keys, as the rows of a shared prefix, one after another
-    // while those keys are in cache); split across the threads in that order.
-    std::vector<int>& order = task_order[id];
-    order.clear();
-    int most = 0;
-    for (int r = 0; r < M; ++r) most = std::max(most, (off[r + 1] - off[r]) / heads);
-    for (int b = 0; b < most; ++b)
-      for (int g = 0; g < kv_heads; ++g)
-        for (int r = 0; r < M; ++r)
-          if ((off[r + 1] - off[r]) / heads > b) order.insert(order.end(), {r, g, b});
+    const Plan* plan = &plans[0];
+    for (const Plan& p : plans) if (p.window == L.window) plan = &p;
+    const std::vector<int>& off = plan->off;
     const int group = heads / kv_heads;
-    int a0, a1;
-    split(static_cast<int>(order.size() / 3), id, n, &a0, &a1);
-    for (int i = a0; i < a1; ++i) {
-      const int r = order[3 * i], g = order[3 * i + 1], blk = order[3 * i + 2];
-      const int nb = (off[r + 1] - off[r]) / heads;
-      const int64_t k0 = first_key(L, rows[r].pos) + static_cast<int64_t>(blk) * KEY_BLOCK;
-      const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
-      for (int hd = g * group; hd < (g + 1) * group; hd += 4) {
-        const int count = std::min(4, (g + 1) * group - hd);
-        float* sc = scores[id].data();
-        const int task = off[r] + hd * nb + blk;
-        if (kv_type == KV_F16) attend_block<KV_F16>(l, rows[r], r, hd, count, k0, k1, task, nb, sc);
-        else if (kv_type == KV_BF16) attend_block<KV_BF16>(l, rows[r], r, hd, count, k0, k1, task, nb, sc);
-        else attend_block<KV_F32>(l, rows[r], r, hd, count, k0, k1, task, nb, sc);
+    const int64_t total = plan->cost.back();
+    for (size_t i = 0; i < plan->tasks.size(); ++i) {
+      const int64_t mid = plan->cost[i] + plan->cost[i + 1];       // twice the task's midpoint
+      if (std::min<int64_t>(n - 1, mid * n / std::max<int64_t>(1, 2 * total)) != id) continue;
+      const Task& task = plan->tasks[i];
+      const int* which = plan->rows.data() + task.first;
+      const Row& lead = rows[which[0]];
+      const int64_t k0 = first_key(L, lead.pos) + static_cast<int64_t>(task.blk) * KEY_BLOCK;
+      const int64_t k1 = std::min<int64_t>(lead.pos + 1, k0 + KEY_BLOCK);
+      float* sc = scores[id].data();
+      float* kt = turned[id].data();
+      for (int hd = task.g * group; hd < (task.g + 1) * group; hd += 4) {
+        const int count = std::min(4, (task.g + 1) * group - hd);
+        if (task.count > 1) {
+          if (kv_type == KV_F16) attend_rows<KV_F16>(l, rows, which, task.count, hd, count, k0, k1, task.blk, off, sc, kt);
+          else if (kv_type == KV_BF16) attend_rows<KV_BF16>(l, rows, which, task.count, hd, count, k0, k1, task.blk, off, sc, kt);
+          else attend_rows<KV_F32>(l, rows, which, task.count, hd, count, k0, k1, task.blk, off, sc, kt);
+          continue;
+        }
+        const int r = which[0];
+        const int nb = (off[r + 1] - off[r]) / heads;
+        const int t0 = off[r] + hd * nb + task.blk;
+        if (kv_type == KV_F16) attend_block<KV_F16>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
+        else if (kv_type == KV_BF16) attend_block<KV_BF16>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
+        else attend_block<KV_F32>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
       }
     }
     team.barrier(n);
     for (int r2 = id; r2 < M; r2 += n) {
-      combine(r2, off[r2], key_blocks(first_key(L, rows[r2].pos), rows[r2].pos));
+      combine(r2, off[r2], (off[r2 + 1] - off[r2]) / heads);
       quantize_row(attn.data(), q_rows, q_rows, r2);
     }
   }
@@ -1124,6 +1388,7 @@ struct Decoder {
     size_t tasks = 0;                          // the most attention tasks of any layer (no window)
     for (int r = 0; r < M; ++r) tasks += static_cast<size_t>(heads) * key_blocks(0, rows[r].pos);
     if (part_ml.size() < 2 * tasks) { part_o.resize(tasks * head_dim); part_ml.resize(2 * tasks); }
+    plan_step(rows, M);
     std::function<void(int, int)> job = [&](int id, int n) {
       for (int l = 0; l < layers; ++l) layer_step(l, rows, M, id, n);
       head_step(logits, id, n);
@@ -1205,9 +1470,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
   dec->xq_w = widest + 64; dec->s_w = widest / BLOCK + 1;
   dec->reserve(1);
-  dec->scores.assign(std::max(dec->team.size(), 64), std::vector<float>(4 * KEY_BLOCK));   // per thread (an OpenMP
-  dec->task_off.resize(dec->scores.size());
-  dec->task_order.resize(dec->scores.size());                                            // team may differ in size)
+  const size_t per_thread = std::max(dec->team.size(), 64);            // (an OpenMP team may differ in size)
+  dec->scores.assign(per_thread, std::vector<float>(SHARED_ROWS * 4 * KEY_BLOCK));
+  dec->turned.assign(per_thread, std::vector<float>(16 * VW * VW));
   return dec;
 }
 
