@@ -90,6 +90,7 @@ struct Layer {
 // float reductions (float weights, attention dots, sums) follow the vector width.
 #if defined(KVB_ISA_AVX512)
 constexpr int VW = 16;
+constexpr int REGISTERS = 32;     // vector registers
 using vf = __m512;
 using vi = __m512i;
 constexpr const char* ISA_NAME = "avx512";
@@ -210,6 +211,7 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
 
 #elif defined(KVB_ISA_AVXVNNI) || defined(KVB_ISA_AVX2)
 constexpr int VW = 8;
+constexpr int REGISTERS = 16;
 using vf = __m256;
 using vi = __m256i;
 #if defined(KVB_ISA_AVXVNNI)
@@ -837,11 +839,11 @@ inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t*
 // rows is read once and turned over (kt: lanes = keys), so a score is VW lanes of FMAs per query
 // column, added across by vsum_across: the same products, chains and tree as attend_heads' for that
 // row alone, and the same numbers, bit for bit, with the key loads, conversions and lane shuffles
-// shared by the R H heads. sc: [R H KEY_BLOCK] scores; kt: [D VW] vectors of scratch.
+// shared by the R H heads. sc: [R H KEY_BLOCK] scores; kt: [D VW] vectors of scratch, ps: [R H VW].
 template <int KT, int D, int H>
 void attend_shared(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
                    const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int n,
-                   float scaling, float* sc, float* kt, float* const* out, float* const* ml) {
+                   float scaling, float* sc, float* kt, float* ps, float* const* out, float* const* ml) {
   using E = typename KvElem<KT>::type;
   prefetch_rows<E, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
   for (int i = 0; i < n; i += VW) {
@@ -856,20 +858,30 @@ void attend_shared(const float* const* q, int R, int head_dim, const typename Kv
       transpose(t);
       for (int l = 0; l < VW; ++l) vstore(kt + (c * VW + l) * VW, t[l]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < H; ++h) {
-        const float* qh = q[r] + h * head_dim;
-        vf p[VW];
-        for (int l = 0; l < VW; ++l) {
-          vf s = vmul(vset1(qh[l]), vload(kt + l * VW));
-          for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + l]), vload(kt + (c * VW + l) * VW), s);
-          p[l] = D == 1 ? opaque(s) : s;       // a bare product (D = 1) stays rounded before the tree
+    // Lane l's chain for every row and head (ps[(r H + h) VW + l]), LB lanes' key columns held in
+    // registers across the R H heads; then each head's tree.
+    constexpr int LB = D * 4 <= REGISTERS / 2 ? 4 : D * 2 <= REGISTERS / 2 ? 2 : 1;
+    for (int l0 = 0; l0 < VW; l0 += LB) {
+      vf kr[LB][D];
+      for (int l = 0; l < LB; ++l)
+        for (int c = 0; c < D; ++c) kr[l][c] = vload(kt + (c * VW + l0 + l) * VW);
+      for (int rh = 0; rh < R * H; ++rh) {
+        const float* qh = q[rh / H] + (rh % H) * head_dim + l0;
+        for (int l = 0; l < LB; ++l) {
+          vf s = vmul(vset1(qh[l]), kr[l][0]);
+          for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + l]), kr[l][c], s);
+          vstore(ps + (rh * VW + l0 + l) * VW, opaque(s));   // a bare product (D = 1) stays rounded
         }
-        const vf s = vmul(vsum_across(p), vset1(scaling));
-        float* row = sc + (r * H + h) * KEY_BLOCK + i;
-        if (cnt == VW) vstore(row, s);
-        else vstore_n(row, s, cnt);
       }
+    }
+    for (int rh = 0; rh < R * H; ++rh) {
+      vf p[VW];
+      for (int l = 0; l < VW; ++l) p[l] = vload(ps + (rh * VW + l) * VW);
+      const vf s = vmul(vsum_across(p), vset1(scaling));
+      float* row = sc + rh * KEY_BLOCK + i;
+      if (cnt == VW) vstore(row, s);
+      else vstore_n(row, s, cnt);
+    }
   }
   for (int rh = 0; rh < R * H; ++rh) block_softmax(sc + rh * KEY_BLOCK, n, ml[rh]);
   constexpr int RV = std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1))));   // registers
@@ -995,7 +1007,8 @@ struct Decoder {
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
   std::vector<std::vector<float>> scores;      // per thread [SHARED_ROWS 4 KEY_BLOCK]
-  std::vector<std::vector<float>> turned;      // per thread: a group of keys turned over [16 VW VW]
+  std::vector<std::vector<float>> turned;      // per thread: a group of keys turned over [16 VW VW], then
+                                               // each row and head's lane sums [SHARED_ROWS 4 VW VW]
   std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
@@ -1156,10 +1169,10 @@ struct Decoder {
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                            \
     switch (hcount) {                                                                                            \
-      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
-      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
-      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
-      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, out, ml); \
+      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
+      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
+      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
+      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
     }
     switch (D) {
       case 1: KVB_HEADS(1)
@@ -1472,7 +1485,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->reserve(1);
   const size_t per_thread = std::max(dec->team.size(), 64);            // (an OpenMP team may differ in size)
   dec->scores.assign(per_thread, std::vector<float>(SHARED_ROWS * 4 * KEY_BLOCK));
-  dec->turned.assign(per_thread, std::vector<float>(16 * VW * VW));
+  dec->turned.assign(per_thread, std::vector<float>((16 + SHARED_ROWS * 4) * VW * VW));
   return dec;
 }
 
