@@ -798,55 +798,22 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
 }
 
 constexpr int SHARED_ROWS = 8;    // rows at most in one task over a shared key block
+constexpr int SHARED_MIN = 32;    // keys at least that rows of one task share
 
-// Rows 0 .. RV of a shared block's values (the rows' exp scores in sc, row r head h at
-// (r H + h) KEY_BLOCK): each value row read once for the RV rows and H heads; each row's sums those of
-// attend_heads (the same accumulators in the same key order).
-template <int KT, int D, int H, int RV>
-inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int n,
-                          const float* sc, float* const* out) {
-  using E = typename KvElem<KT>::type;
-  constexpr bool two = H * D <= 8;
-  vf a0[RV][H][D], a1[RV][H][D];
-  for (int r = 0; r < RV; ++r)
-    for (int h = 0; h < H; ++h)
-      for (int c = 0; c < D; ++c) a0[r][h][c] = a1[r][h][c] = vzero();
-  auto add_row = [&](int j, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
-    const E* v = vbase + slots[j] * stride;
-    vf vv[D];
-    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
-    for (int r = 0; r < RV; ++r)
-      for (int h = 0; h < H; ++h) {
-        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + j]);
-        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
-      }
-  };
-  int j = 0;
-  if constexpr (two) {
-    for (; j + 2 <= n; j += 2) {
-      add_row(j, a0);
-      add_row(j + 1, a1);
-    }
-  }
-  for (; j < n; ++j) add_row(j, a0);
-  for (int r = 0; r < RV; ++r)
-    for (int h = 0; h < H; ++h)
-      for (int c = 0; c < D; ++c) vstore(out[r * H + h] + VW * c, two ? vadd(a0[r][h][c], a1[r][h][c]) : a0[r][h][c]);
-}
-
-// attend_heads for R rows (2 .. SHARED_ROWS) over one block of keys they share (the same KV rows):
-// row r's queries at q[r] + h * head_dim, its partials at out / ml[r * H + h]. Each group of VW key
-// rows is read once and turned over (kt: lanes = keys), so a score is VW lanes of FMAs per query
-// column, added across by vsum_across: the same products, chains and tree as attend_heads' for that
-// row alone, and the same numbers, bit for bit, with the key loads, conversions and lane shuffles
-// shared by the R H heads. sc: [R H KEY_BLOCK] scores; kt: [D VW] vectors of scratch, ps: [R H VW].
+// Scores (times `scaling`) of keys i0 .. n of a block (rows at kbase + slots[i] * stride) for R rows
+// and H heads (row r's queries at q[r] + h * head_dim) into sc + (r H + h) KEY_BLOCK + i. Each group
+// of VW keys is read once and turned over (kt: lanes = keys), so a score is lane l's chain of FMAs over
+// the query's columns l, l + VW, ... (ps: every row and head's, LB lanes' key columns held in
+// registers), added across by vsum_across: the products, chains and tree of attend_heads for that
+// key, bit for bit, whatever keys share its group (a group past n repeats its last key in lanes never
+// kept). kt: [D VW] vectors of scratch, ps: [R H VW].
 template <int KT, int D, int H>
-void attend_shared(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
-                   const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int n,
-                   float scaling, float* sc, float* kt, float* ps, float* const* out, float* const* ml) {
+inline void shared_scores(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
+                          const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int i0,
+                          int n, float scaling, float* sc, float* kt, float* ps) {
   using E = typename KvElem<KT>::type;
-  prefetch_rows<E, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
-  for (int i = 0; i < n; i += VW) {
+  prefetch_rows<E, D>(kbase, slots, stride, i0, std::min(n, i0 + KEYS_AHEAD));
+  for (int i = i0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
     prefetch_rows<E, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
     prefetch_rows<E, D>(vbase, slots, stride, i, i + cnt);
@@ -858,8 +825,6 @@ void attend_shared(const float* const* q, int R, int head_dim, const typename Kv
       transpose(t);
       for (int l = 0; l < VW; ++l) vstore(kt + (c * VW + l) * VW, t[l]);
     }
-    // Lane l's chain for every row and head (ps[(r H + h) VW + l]), LB lanes' key columns held in
-    // registers across the R H heads; then each head's tree.
     constexpr int LB = D * 4 <= REGISTERS / 2 ? 4 : D * 2 <= REGISTERS / 2 ? 2 : 1;
     for (int l0 = 0; l0 < VW; l0 += LB) {
       vf kr[LB][D];
@@ -883,11 +848,86 @@ void attend_shared(const float* const* q, int R, int head_dim, const typename Kv
       else vstore_n(row, s, cnt);
     }
   }
-  for (int rh = 0; rh < R * H; ++rh) block_softmax(sc + rh * KEY_BLOCK, n, ml[rh]);
+}
+
+// The values of rows 0 .. RV of a task (their exp scores in sc, row r head h at (r H + h) KEY_BLOCK):
+// the s keys they share (slots) with each value row read once for the RV rows and H heads, then each
+// row's own keys s .. n[r] (own[r]). Each row's sums are attend_heads': the same accumulators (even
+// and odd keys apart where H D <= 8) in the same key order.
+template <int KT, int D, int H, int RV>
+inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t* slots, int s,
+                          const int64_t* const* own, const int* n, int64_t stride, const float* sc, float* const* out) {
+  using E = typename KvElem<KT>::type;
+  constexpr bool two = H * D <= 8;
+  vf a0[RV][H][D], a1[RV][H][D];
+  for (int r = 0; r < RV; ++r)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < D; ++c) a0[r][h][c] = a1[r][h][c] = vzero();
+  auto add_row = [&](int j, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
+    const E* v = vbase + slots[j] * stride;
+    vf vv[D];
+    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+    for (int r = 0; r < RV; ++r)
+      for (int h = 0; h < H; ++h) {
+        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + j]);
+        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
+      }
+  };
+  int j = 0;
+  if constexpr (two) {
+    for (; j + 2 <= s; j += 2) {
+      add_row(j, a0);
+      add_row(j + 1, a1);
+    }
+  }
+  for (; j < s; ++j) add_row(j, a0);
+  for (int r = 0; r < RV; ++r) {              // row r's own keys, into its accumulators in key order
+    auto add_own = [&](int k, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
+      const E* v = vbase + own[r][k] * stride;
+      vf vv[D];
+      for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+      for (int h = 0; h < H; ++h) {
+        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + k]);
+        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
+      }
+    };
+    int k = s;
+    if constexpr (two) {
+      if ((k & 1) && k < n[r]) add_own(k++, a1);
+      for (; k + 2 <= n[r]; k += 2) {
+        add_own(k, a0);
+        add_own(k + 1, a1);
+      }
+    }
+    for (; k < n[r]; ++k) add_own(k, a0);
+  }
+  for (int r = 0; r < RV; ++r)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < D; ++c) vstore(out[r * H + h] + VW * c, two ? vadd(a0[r][h][c], a1[r][h][c]) : a0[r][h][c]);
+}
+
+// attend_heads for R rows (2 .. SHARED_ROWS) of one block whose first s keys they all read (the same
+// KV rows; slots), each row r then its own keys s .. n[r] (own[r]): row r's queries at q[r] + h * head_dim,
+// its partials at out / ml[r * H + h], bit for bit those of attend_heads for that row alone, with the
+// shared keys' loads, conversions and lane shuffles done once for the R H heads. sc: [R H KEY_BLOCK]
+// scores; kt, ps: shared_scores' scratch.
+template <int KT, int D, int H>
+void attend_shared(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
+                   const typename KvElem<KT>::type* vbase, const int64_t* slots, int s, const int64_t* const* own,
+                   const int* n, int64_t stride, float scaling, float* sc, float* kt, float* ps, float* const* out,
+                   float* const* ml) {
+  shared_scores<KT, D, H>(q, R, head_dim, kbase, vbase, slots, stride, 0, s, scaling, sc, kt, ps);
+  for (int r = 0; r < R; ++r)
+    if (n[r] > s) shared_scores<KT, D, H>(q + r, 1, head_dim, kbase, vbase, own[r], stride, s, n[r], scaling,
+                                          sc + r * H * KEY_BLOCK, kt, ps);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) block_softmax(sc + (r * H + h) * KEY_BLOCK, n[r], ml[r * H + h]);
   constexpr int RV = std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1))));   // registers
   int r = 0;
-  for (; r + RV <= R; r += RV) shared_values<KT, D, H, RV>(vbase, slots, stride, n, sc + r * H * KEY_BLOCK, out + r * H);
-  for (; r < R; ++r) shared_values<KT, D, H, 1>(vbase, slots, stride, n, sc + r * H * KEY_BLOCK, out + r * H);
+  for (; r + RV <= R; r += RV)
+    shared_values<KT, D, H, RV>(vbase, slots, s, own + r, n + r, stride, sc + r * H * KEY_BLOCK, out + r * H);
+  for (; r < R; ++r)
+    shared_values<KT, D, H, 1>(vbase, slots, s, own + r, n + r, stride, sc + r * H * KEY_BLOCK, out + r * H);
 }
 
 // The stages of a step meet at a barrier of our own: libgomp's barrier sleeps on a futex after a
@@ -1140,25 +1180,30 @@ struct Decoder {
     }
   }
 
-  // Rows `count` (2 ..) of a task over one key block k0 .. k1 they share, heads hd0 .. hd0 + hcount of
-  // KV head hd0 / group, blk the block's index in each row's own blocks (their partials): one
-  // attend_shared over the block, bit for bit each row's attend_block. Head sizes that are no whole
-  // number of vectors never share (plan_for).
+  // Rows `count` (2 ..) of a task over key block blk (each row's own index of it) whose first `shared`
+  // keys they all read, heads hd0 .. hd0 + hcount of KV head hd0 / group: one attend_shared, bit for
+  // bit each row's attend_block. Head sizes that are no whole number of vectors never share (plan_for).
   template <int KT>
-  void attend_rows(int layer, const Row* rows, const int* which, int count, int hd0, int hcount, int64_t k0, int64_t k1,
-                   int blk, const std::vector<int>& off, float* sc, float* kt) {
+  void attend_rows(int layer, const Row* rows, const int* which, int count, int shared, int hd0, int hcount, int blk,
+                   const std::vector<int>& off, float* sc, float* kt) {
     using E = typename KvElem<KT>::type;
+    const Layer& L = stack[layer];
     const Row& lead = rows[which[0]];
     const int64_t* st = lead.st;
     const E* kbase = static_cast<const E*>(lead.kv) + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
     const E* vbase = kbase + st[0];
-    const int n = static_cast<int>(k1 - k0);
     const float* q[SHARED_ROWS];
+    const int64_t* own[SHARED_ROWS];
+    int n[SHARED_ROWS];
     float* out[SHARED_ROWS * 4];
     float* ml[SHARED_ROWS * 4];
     for (int i = 0; i < count; ++i) {
+      const Row& row = rows[which[i]];
       const int r = which[i];
-      const int nb = key_blocks(first_key(stack[layer], rows[r].pos), rows[r].pos);
+      const int64_t k0 = first_key(L, row.pos) + static_cast<int64_t>(blk) * KEY_BLOCK;
+      own[i] = row.slots + k0;
+      n[i] = static_cast<int>(std::min<int64_t>(row.pos + 1, k0 + KEY_BLOCK) - k0);
+      const int nb = (off[r + 1] - off[r]) / heads;
       q[i] = qkv.data() + static_cast<size_t>(r) * qkv_w + hd0 * head_dim;
       for (int h = 0; h < hcount; ++h) {
         const size_t task = off[r] + static_cast<size_t>(hd0 + h) * nb + blk;
@@ -1166,13 +1211,14 @@ struct Decoder {
         ml[i * hcount + h] = part_ml.data() + 2 * task;
       }
     }
+    float* ps = kt + 16 * VW * VW;
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                            \
     switch (hcount) {                                                                                            \
-      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
-      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
-      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
-      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, lead.slots + k0, st[3], n, scaling, sc, kt, kt + 16 * VW * VW, out, ml); \
+      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
+      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
+      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
+      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
     }
     switch (D) {
       case 1: KVB_HEADS(1)
@@ -1186,9 +1232,10 @@ struct Decoder {
 
   // The attention tasks of a step's layers of one window: the rows over each key block grouped by the
   // KV they read (rows of sequences mapping the same cached blocks, or of one prompt chunk, read the
-  // same keys), and each group's tasks (group, KV head, block) in the order key block, KV head,
-  // group, with the keys each costs. Built once per step and window, the same on every thread.
-  struct Task { int first, count, g, blk; };    // rows plan.rows[first .. first + count), KV head g
+  // same keys), each group with the keys its rows all share from the block's start (SHARED_MIN at
+  // least), and its tasks (group, KV head, block) in the order key block, KV head, group, with the
+  // keys each costs. Built once per step and window, the same on every thread.
+  struct Task { int first, count, shared, g, blk; };   // rows plan.rows[first .. first + count), KV head g
   struct Plan {
     int64_t window = 0;
     std::vector<int> off;                    // partials before row r ([M + 1])
@@ -1198,9 +1245,13 @@ struct Decoder {
   };
   std::vector<Plan> plans;                   // one per window of the stack (the step's)
 
-  bool shared_keys(const Row& a, const Row& b, int64_t k0, int64_t k1) const {
-    if (a.kv != b.kv || a.st[0] != b.st[0] || a.st[1] != b.st[1] || a.st[2] != b.st[2] || a.st[3] != b.st[3]) return false;
-    return a.slots == b.slots || std::memcmp(a.slots + k0, b.slots + k0, sizeof(int64_t) * (k1 - k0)) == 0;
+  // keys a and b both read from k0 on (at most n): the same KV and the same slots
+  int64_t common_keys(const Row& a, const Row& b, int64_t k0, int64_t n) const {
+    if (a.kv != b.kv || a.st[0] != b.st[0] || a.st[1] != b.st[1] || a.st[2] != b.st[2] || a.st[3] != b.st[3]) return 0;
+    if (a.slots == b.slots) return n;
+    int64_t i = 0;
+    while (i < n && a.slots[k0 + i] == b.slots[k0 + i]) ++i;
+    return i;
   }
 
   void plan_for(Plan& plan, int64_t window, const Row* rows, int M) {
@@ -1214,37 +1265,40 @@ struct Decoder {
       plan.off[r + 1] = plan.off[r] + heads * nb;
       most = std::max(most, nb);
     }
-    const bool can_share = head_dim % VW == 0 && head_dim / VW <= 16 && ((head_dim / VW) & (head_dim / VW - 1)) == 0;
+    const int D = head_dim / VW;
+    const bool can_share = head_dim == D * VW && D <= 16 && (D & (D - 1)) == 0;
     plan.rows.clear();
     plan.tasks.clear();
     plan.cost.assign(1, 0);
-    std::vector<std::vector<int>> groups;    // the rows over block b, by the keys they read
+    struct Group { std::vector<int> rows; int64_t k0, shared, keys; };
+    std::vector<Group> groups;               // the rows over block b, by the keys they read
     for (int b = 0; b < most; ++b) {
       groups.clear();
       for (int r = 0; r < M; ++r) {
         const int64_t k0 = first_key(probe, rows[r].pos) + static_cast<int64_t>(b) * KEY_BLOCK;
         if (k0 > rows[r].pos) continue;      // no block b
-        const int64_t k1 = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK);
-        std::vector<int>* join = nullptr;
-        if (can_share) {
-          for (auto& gr : groups) {
-            const Row& a = rows[gr[0]];
-            const int64_t a0 = first_key(probe, a.pos) + static_cast<int64_t>(b) * KEY_BLOCK;
-            if (static_cast<int>(gr.size()) < SHARED_ROWS && a0 == k0 && std::min<int64_t>(a.pos + 1, a0 + KEY_BLOCK) == k1 &&
-                shared_keys(a, rows[r], k0, k1)) { join = &gr; break; }
-          }
+        const int64_t n = std::min<int64_t>(rows[r].pos + 1, k0 + KEY_BLOCK) - k0;
+        Group* join = nullptr;
+        int64_t common = 0;
+        for (Group& gr : groups) {
+          if (!can_share || gr.k0 != k0 || static_cast<int>(gr.rows.size()) >= SHARED_ROWS) continue;
+          common = std::min(gr.shared, common_keys(rows[gr.rows[0]], rows[r], k0, std::min(gr.shared, n)));
+          if (common >= SHARED_MIN) { join = &gr; break; }
         }
-        if (join) join->push_back(r);
-        else groups.push_back({r});
+        if (join) {
+          join->rows.push_back(r);
+          join->shared = common;
+          join->keys += n;
+        } else {
+          groups.push_back({{r}, k0, n, n});
+        }
       }
       for (int g = 0; g < kv_heads; ++g)
-        for (const auto& gr : groups) {
-          const Row& a = rows[gr[0]];
-          const int64_t k0 = first_key(probe, a.pos) + static_cast<int64_t>(b) * KEY_BLOCK;
-          const int64_t keys = std::min<int64_t>(a.pos + 1, k0 + KEY_BLOCK) - k0;
-          plan.tasks.push_back({static_cast<int>(plan.rows.size()), static_cast<int>(gr.size()), g, b});
-          plan.rows.insert(plan.rows.end(), gr.begin(), gr.end());
-          plan.cost.push_back(plan.cost.back() + static_cast<int64_t>(gr.size()) * (keys + VW));
+        for (const Group& gr : groups) {
+          plan.tasks.push_back({static_cast<int>(plan.rows.size()), static_cast<int>(gr.rows.size()),
+                                static_cast<int>(gr.shared), g, b});
+          plan.rows.insert(plan.rows.end(), gr.rows.begin(), gr.rows.end());
+          plan.cost.push_back(plan.cost.back() + gr.keys + static_cast<int64_t>(gr.rows.size()) * VW);
         }
     }
   }
@@ -1281,9 +1335,10 @@ struct Decoder {
       for (int hd = task.g * group; hd < (task.g + 1) * group; hd += 4) {
         const int count = std::min(4, (task.g + 1) * group - hd);
         if (task.count > 1) {
-          if (kv_type == KV_F16) attend_rows<KV_F16>(l, rows, which, task.count, hd, count, k0, k1, task.blk, off, sc, kt);
-          else if (kv_type == KV_BF16) attend_rows<KV_BF16>(l, rows, which, task.count, hd, count, k0, k1, task.blk, off, sc, kt);
-          else attend_rows<KV_F32>(l, rows, which, task.count, hd, count, k0, k1, task.blk, off, sc, kt);
+          const int c = task.count, s = task.shared;
+          if (kv_type == KV_F16) attend_rows<KV_F16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
+          else if (kv_type == KV_BF16) attend_rows<KV_BF16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
+          else attend_rows<KV_F32>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
           continue;
         }
         const int r = which[0];
