@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <vector>
 #ifdef _OPENMP
@@ -1241,9 +1242,11 @@ struct Decoder {
     std::vector<int> off;                    // partials before row r ([M + 1])
     std::vector<int> rows;                   // each task's rows, one run per task
     std::vector<Task> tasks;
-    std::vector<int64_t> cost;               // keys (times rows) of the tasks before task i
+    std::vector<int64_t> cost;               // per task: its keys (times rows), about its time
+    std::vector<int> by_cost;                // the tasks, costliest first (the order threads claim them)
   };
   std::vector<Plan> plans;                   // one per window of the stack (the step's)
+  std::unique_ptr<std::atomic<int>[]> claimed;   // per layer: its attention tasks claimed so far this step
 
   // keys a and b both read from k0 on (at most n): the same KV and the same slots
   int64_t common_keys(const Row& a, const Row& b, int64_t k0, int64_t n) const {
@@ -1269,7 +1272,7 @@ struct Decoder {
     const bool can_share = head_dim == D * VW && D <= 16 && (D & (D - 1)) == 0;
     plan.rows.clear();
     plan.tasks.clear();
-    plan.cost.assign(1, 0);
+    plan.cost.clear();
     struct Group { std::vector<int> rows; int64_t k0, shared, keys; };
     std::vector<Group> groups;               // the rows over block b, by the keys they read
     for (int b = 0; b < most; ++b) {
@@ -1298,9 +1301,12 @@ struct Decoder {
           plan.tasks.push_back({static_cast<int>(plan.rows.size()), static_cast<int>(gr.rows.size()),
                                 static_cast<int>(gr.shared), g, b});
           plan.rows.insert(plan.rows.end(), gr.rows.begin(), gr.rows.end());
-          plan.cost.push_back(plan.cost.back() + gr.keys + static_cast<int64_t>(gr.rows.size()) * VW);
+          plan.cost.push_back(gr.keys + static_cast<int64_t>(gr.rows.size()) * VW);
         }
     }
+    plan.by_cost.resize(plan.tasks.size());
+    for (size_t i = 0; i < plan.by_cost.size(); ++i) plan.by_cost[i] = static_cast<int>(i);
+    std::stable_sort(plan.by_cost.begin(), plan.by_cost.end(), [&](int a, int b) { return plan.cost[a] > plan.cost[b]; });
   }
 
   void plan_step(const Row* rows, int M) {
@@ -1311,21 +1317,19 @@ struct Decoder {
     for (size_t i = 0; i < windows.size(); ++i) plan_for(plans[i], windows[i], rows, M);
   }
 
-  // Attention of the M rows (their K and V written): the plan's tasks split across the threads by
-  // their keys (each thread a run of tasks of about equal cost), so heads and keys of a long context
-  // share the cores; then each row's partials combined. Every partial is computed by one thread with
-  // the arithmetic of its row alone, whichever rows share its task and whatever the split.
+  // Attention of the M rows (their K and V written): the threads claim the plan's tasks one at a time,
+  // costliest first, so heads and keys of a long context share the cores and no thread waits long
+  // for another; then each row's partials combined. Every partial is computed by one thread with the
+  // arithmetic of its row alone, whichever rows share its task and whichever thread claims it.
   void attention(int l, const Row* rows, int M, int id, int n) {
     const Layer& L = stack[l];
     const Plan* plan = &plans[0];
     for (const Plan& p : plans) if (p.window == L.window) plan = &p;
     const std::vector<int>& off = plan->off;
     const int group = heads / kv_heads;
-    const int64_t total = plan->cost.back();
-    for (size_t i = 0; i < plan->tasks.size(); ++i) {
-      const int64_t mid = plan->cost[i] + plan->cost[i + 1];       // twice the task's midpoint
-      if (std::min<int64_t>(n - 1, mid * n / std::max<int64_t>(1, 2 * total)) != id) continue;
-      const Task& task = plan->tasks[i];
+    const int tasks = static_cast<int>(plan->tasks.size());
+    for (int k; (k = claimed[l].fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const Task& task = plan->tasks[plan->by_cost[k]];
       const int* which = plan->rows.data() + task.first;
       const Row& lead = rows[which[0]];
       const int64_t k0 = first_key(L, lead.pos) + static_cast<int64_t>(task.blk) * KEY_BLOCK;
@@ -1457,6 +1461,7 @@ struct Decoder {
     for (int r = 0; r < M; ++r) tasks += static_cast<size_t>(heads) * key_blocks(0, rows[r].pos);
     if (part_ml.size() < 2 * tasks) { part_o.resize(tasks * head_dim); part_ml.resize(2 * tasks); }
     plan_step(rows, M);
+    for (int l = 0; l < layers; ++l) claimed[l].store(0, std::memory_order_relaxed);   // (the team starts after)
     std::function<void(int, int)> job = [&](int id, int n) {
       for (int l = 0; l < layers; ++l) layer_step(l, rows, M, id, n);
       head_step(logits, id, n);
@@ -1529,6 +1534,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
     L.window = static_cast<int>(a.window);
     dec->stack.push_back(L);
   }
+  dec->claimed.reset(new std::atomic<int>[dec->layers]);
   dec->final_norm = args->final_norm;
   dec->head = qmat(args->head);
   if (dec->head.bits != 32) dec->quantized = true;
