@@ -73,6 +73,7 @@ struct Layer {
 //   vload_n zeroes the rest) vkeep_n(v, n) (lanes >= n zeroed)
 //   vadd vsub vmul vdiv vmax vmin vabs vfma(a, b, c) = a * b + c, vfnma(a, b, c) = c - a * b
 //   vsum(v) vhmax(v)                  horizontal sum / max (the order is fixed per ISA)
+//   vgt_mask(a, b)                    bit j set where a[j] > b[j] (ordered: never for a NaN)
 //   vsum_lanes(p)                     VW vectors -> one: lane j = the sum of p[j]'s lanes (one fixed tree
 //                                     for every j, whatever the other vectors hold)
 //   vsum_across(p)                    the same tree over p[0 .. VW) lane by lane (vertical adds): equal to
@@ -114,6 +115,7 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline unsigned vgt_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }   // bit j: a[j] > b[j]
 // lane j = the sum of p[j]'s lanes (j < 16), by one fixed tree, the same for every j
 inline vf vsum_lanes(const vf* p) {
   vf a[8], b[4], c[2];
@@ -260,6 +262,7 @@ inline vf vsum_lanes(const vf* p) {
   return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
 inline vf opaque(vf v) { asm("" : "+x"(v)); return v; }    // see the AVX-512 one
+inline unsigned vgt_mask(vf a, vf b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ))); }
 // The same tree as vsum_lanes with the roles turned (see the AVX-512 one)
 inline vf vsum_across(const vf* p) {
   vf s[2];
@@ -1435,20 +1438,27 @@ struct Decoder {
     for (int j = id; j < W; j += n) refine_top(logits + static_cast<size_t>(j) * vocab, h.data() + static_cast<size_t>(j) * hw);
   }
 
-  // The best exact_top rows of one row's logits (ascending scan), recomputed in float.
+  // The best exact_top rows of one row's logits (ascending scan), recomputed in float. Past the first
+  // exact_top, a vector of logits none of which beats the heap's least (which only rises) is passed
+  // over whole: the same rows chosen as one by one.
   void refine_top(float* logits, const float* hj) {
     std::vector<std::pair<float, int>> best;
-    for (int row = 0; row < head.rows; ++row) {
-      if (static_cast<int>(best.size()) < exact_top) {
-        best.emplace_back(logits[row], row);
-        std::push_heap(best.begin(), best.end(), std::greater<>());
-      } else if (logits[row] > best.front().first) {
+    auto offer = [&](int row) {
+      if (logits[row] > best.front().first) {
         std::pop_heap(best.begin(), best.end(), std::greater<>());
         best.back() = {logits[row], row};
         std::push_heap(best.begin(), best.end(), std::greater<>());
       }
+    };
+    int row = 0;
+    for (; row < head.rows && static_cast<int>(best.size()) < exact_top; ++row) {
+      best.emplace_back(logits[row], row);
+      std::push_heap(best.begin(), best.end(), std::greater<>());
     }
-    for (auto& [value, row] : best) logits[row] = exact_row(head, row, hj);
+    for (; row + VW <= head.rows; row += VW)
+      for (unsigned m = vgt_mask(vload(logits + row), vset1(best.front().first)); m; m &= m - 1) offer(row + __builtin_ctz(m));
+    for (; row < head.rows; ++row) offer(row);
+    for (auto& [value, r] : best) logits[r] = exact_row(head, r, hj);
   }
 
   void step(int M, const float* x_in, const Row* rows, float* logits) {
