@@ -79,6 +79,8 @@ struct Layer {
 //   vsum_across(p)                    the same tree over p[0 .. VW) lane by lane (vertical adds): equal to
 //                                     vsum_lanes of the turned-over vectors, bit for bit
 //   transpose(r)                      VW vectors of VW floats turned over in place (r[i][j] -> r[j][i])
+//   opaque(v)                         v, hidden from the compiler's contraction of a product and a sum
+//   REGISTERS                         vector registers (how many values a kernel can hold)
 //   vexp(v)                           e^v (v <= 88; 0 below the float range)
 //   load_scales<T>(p, i)              VW scales of ScaleType T from p + i, as floats
 //   f16_scalar(h) bf16_scalar(h)      one scale
