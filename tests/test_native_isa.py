@@ -63,6 +63,11 @@ def test_variant_rows_over_shared_key_blocks_match_serial_steps(isa, tmp_path, w
     test_native_rows.test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights, *arch)
 
 
+@pytest.mark.parametrize("shape", list(test_native_rows.WIDER))
+def test_variant_shared_tasks_at_wider_shapes_match_steps(isa, shape):
+    test_native_rows.test_shared_tasks_at_wider_shapes_match_steps(shape, torch.float16)
+
+
 @pytest.mark.parametrize("model_type,overrides", test_native_rows.ARCHS, ids=test_native_rows.ARCH_IDS)
 def test_variant_int4_step_tracks_the_pytorch_step(isa, tmp_path, model_type, overrides):
     test_native_decode.test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, overrides, _contiguous)

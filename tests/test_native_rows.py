@@ -177,3 +177,55 @@ def test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights,
             stepped = decoder(kv_steps, t, p)
     assert torch.equal(chunked, stepped)
     assert all(torch.equal(x, y) for x, y in zip(_kv_state(kv_chunks, adapter, 300), _kv_state(kv_steps, adapter, 300)))
+
+
+WIDER = {"gqa3-d64": {"hidden_size": 192, "head_dim": 64, "num_attention_heads": 6, "num_key_value_heads": 2},
+         "group5": {"hidden_size": 160, "head_dim": 32, "num_attention_heads": 10, "num_key_value_heads": 2}}
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["kv-model", "kv-f16"])
+@pytest.mark.parametrize("shape", list(WIDER))
+def test_shared_tasks_at_wider_shapes_match_steps(shape, kv_dtype):
+    """Shared attention tasks where a KV head serves 3 query heads of 64 (one accumulator per head,
+    the key columns held 4 lanes at a time) and 5 of 32 (two head groups per KV head), float32 and
+    float16 KV, with odd shared counts: a prompt chunk after 288 tokens (its rows share 33 and 41 keys
+    of the second block) and sequences over a shared prompt of 301 tokens (45 of it), bit for bit
+    token-by-token and serial steps."""
+    from kvboost_engine.kv.paged import PagedSequence
+    from kvboost_engine.kv.pool import BlockPool
+    model = tiny_model("llama", seed=5, **WIDER[shape])
+    adapter = ModelAdapter(model, kv_dtype=kv_dtype)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    prompt = [(11 * i + 5) % 900 + 3 for i in range(300)]
+    kv_chunks, kv_steps = (SequenceKV(adapter.geometry, 304, adapter.device) for _ in range(2))
+    with torch.inference_mode():
+        decoder.prefill(kv_chunks, prompt[:288], 0)
+        chunked = decoder.prefill(kv_chunks, prompt[288:], 288)
+        for p, t in enumerate(prompt):
+            stepped = decoder(kv_steps, t, p)
+    assert torch.equal(chunked, stepped)
+    assert all(torch.equal(x, y) for x, y in zip(_kv_state(kv_chunks, adapter, 300), _kv_state(kv_steps, adapter, 300)))
+
+    def sequences():
+        pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=1)
+        base = PagedSequence(pool, 320)
+        base.reserve()
+        decoder.prefill(base, prompt + [7], 0)
+        out = []
+        for i in range(5):
+            seq = PagedSequence(pool, 320)
+            seq.map_shared(base.cache_blocks(0, 301))
+            seq.reserve()
+            decoder.prefill(seq, [20 + i] * (1 + i % 2), 301)
+            out.append(seq)
+        return out
+
+    with torch.inference_mode():
+        serial, batch = sequences(), sequences()
+        positions = [301 + 1 + i % 2 for i in range(5)]
+        for step in range(2):
+            tokens = [30 + i + step for i in range(5)]
+            want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
+            got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
+            assert all(torch.equal(w, g) for w, g in zip(want, got))

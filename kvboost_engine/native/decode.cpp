@@ -1442,7 +1442,8 @@ struct Decoder {
 
   // The best exact_top rows of one row's logits (ascending scan), recomputed in float. Past the first
   // exact_top, a vector of logits none of which beats the heap's least (which only rises) is passed
-  // over whole: the same rows chosen as one by one.
+  // over whole: the same rows chosen as one by one. A NaN among the first breaks the heap's order
+  // (its least can fall), so then every row is offered one by one, as before.
   void refine_top(float* logits, const float* hj) {
     std::vector<std::pair<float, int>> best;
     auto offer = [&](int row) {
@@ -1457,7 +1458,9 @@ struct Decoder {
       best.emplace_back(logits[row], row);
       std::push_heap(best.begin(), best.end(), std::greater<>());
     }
-    for (; row + VW <= head.rows; row += VW)
+    bool ordered = true;                     // no NaN in the heap (none joins it later: NaN > x is false)
+    for (const auto& entry : best) ordered = ordered && entry.first == entry.first;
+    for (; ordered && row + VW <= head.rows; row += VW)
       for (unsigned m = vgt_mask(vload(logits + row), vset1(best.front().first)); m; m &= m - 1) offer(row + __builtin_ctz(m));
     for (; row < head.rows; ++row) offer(row);
     for (auto& [value, r] : best) logits[r] = exact_row(head, r, hj);
