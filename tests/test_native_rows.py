@@ -159,6 +159,23 @@ def test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, mo
         assert all(torch.equal(x, y) for x, y in zip(_kv_state(a, adapter, p + 3), _kv_state(b, adapter, p + 3)))
 
 
+CHUNK_PROMPT = [(11 * i + 5) % 900 + 3 for i in range(300)]
+
+
+def _chunk_after_equals_steps(decoder, adapter, prefix: int) -> None:
+    """CHUNK_PROMPT prefilled as `prefix` tokens and then one chunk of the rest gives the logits and KV
+    of token-by-token steps, bit for bit."""
+    kv_chunks, kv_steps = (SequenceKV(adapter.geometry, len(CHUNK_PROMPT) + 4, adapter.device) for _ in range(2))
+    with torch.inference_mode():
+        decoder.prefill(kv_chunks, CHUNK_PROMPT[:prefix], 0)
+        chunked = decoder.prefill(kv_chunks, CHUNK_PROMPT[prefix:], prefix)
+        for p, t in enumerate(CHUNK_PROMPT):
+            stepped = decoder(kv_steps, t, p)
+    assert torch.equal(chunked, stepped)
+    end = len(CHUNK_PROMPT)
+    assert all(torch.equal(x, y) for x, y in zip(_kv_state(kv_chunks, adapter, end), _kv_state(kv_steps, adapter, end)))
+
+
 @pytest.mark.parametrize("weights", ["float", "int4"])
 @pytest.mark.parametrize("model_type,overrides", [ARCHS[0], ARCHS[3]], ids=[ARCH_IDS[0], ARCH_IDS[3]])
 def test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights, model_type, overrides):
@@ -168,15 +185,7 @@ def test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights,
     adapter = ModelAdapter(model)
     decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
-    prompt = [(11 * i + 5) % 900 + 3 for i in range(300)]
-    kv_chunks, kv_steps = (SequenceKV(adapter.geometry, 304, adapter.device) for _ in range(2))
-    with torch.inference_mode():
-        decoder.prefill(kv_chunks, prompt[:280], 0)
-        chunked = decoder.prefill(kv_chunks, prompt[280:], 280)
-        for p, t in enumerate(prompt):
-            stepped = decoder(kv_steps, t, p)
-    assert torch.equal(chunked, stepped)
-    assert all(torch.equal(x, y) for x, y in zip(_kv_state(kv_chunks, adapter, 300), _kv_state(kv_steps, adapter, 300)))
+    _chunk_after_equals_steps(decoder, adapter, 280)
 
 
 WIDER = {"gqa3-d64": {"hidden_size": 192, "head_dim": 64, "num_attention_heads": 6, "num_key_value_heads": 2},
@@ -197,15 +206,8 @@ def test_shared_tasks_at_wider_shapes_match_steps(shape, kv_dtype):
     adapter = ModelAdapter(model, kv_dtype=kv_dtype)
     decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
-    prompt = [(11 * i + 5) % 900 + 3 for i in range(300)]
-    kv_chunks, kv_steps = (SequenceKV(adapter.geometry, 304, adapter.device) for _ in range(2))
-    with torch.inference_mode():
-        decoder.prefill(kv_chunks, prompt[:288], 0)
-        chunked = decoder.prefill(kv_chunks, prompt[288:], 288)
-        for p, t in enumerate(prompt):
-            stepped = decoder(kv_steps, t, p)
-    assert torch.equal(chunked, stepped)
-    assert all(torch.equal(x, y) for x, y in zip(_kv_state(kv_chunks, adapter, 300), _kv_state(kv_steps, adapter, 300)))
+    prompt = CHUNK_PROMPT
+    _chunk_after_equals_steps(decoder, adapter, 288)
 
     def sequences():
         pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=1)

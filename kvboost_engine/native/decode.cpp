@@ -703,14 +703,62 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-// Heads h0 .. h0 + H of one row (queries q + h * head_dim, head_dim = D vectors) over keys 0 .. n
-// of a block of their KV head (rows at kbase / vbase + slots[i] * stride): each key and value row
-// is read from memory once for the H heads (it stays in L1 for the next head). Per head h: scores
-// (times `scaling`) into sc + h * KEY_BLOCK, then the block's top and sum of exp(score - top) into
-// ml[h][0..1], sum of exp(score - top) * value into out[h]. Each score: the query times the key row
-// vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
-// key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
-// a head depend on its query and the block's keys only.
+// The values of rows 0 .. RV of a task (their exp scores in sc, row r head h at (r H + h) KEY_BLOCK):
+// the s keys they share (slots) with each value row read once for the RV rows and H heads, then each
+// row's own keys s .. n[r] (own[r]). Each row's sums are those of the row alone (attend_heads: RV 1,
+// s = n): the same accumulators (even and odd keys apart where H D <= 8) in the same key order.
+template <int KT, int D, int H, int RV>
+inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t* slots, int s,
+                          const int64_t* const* own, const int* n, int64_t stride, const float* sc, float* const* out) {
+  using E = typename KvElem<KT>::type;
+  constexpr bool two = H * D <= 8;
+  vf a0[RV][H][D], a1[RV][H][D];
+  for (int r = 0; r < RV; ++r)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < D; ++c) a0[r][h][c] = a1[r][h][c] = vzero();
+  auto add_row = [&](int j, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
+    const E* v = vbase + slots[j] * stride;
+    vf vv[D];
+    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+    for (int r = 0; r < RV; ++r)
+      for (int h = 0; h < H; ++h) {
+        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + j]);
+        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
+      }
+  };
+  int j = 0;
+  if constexpr (two) {
+    for (; j + 2 <= s; j += 2) {
+      add_row(j, a0);
+      add_row(j + 1, a1);
+    }
+  }
+  for (; j < s; ++j) add_row(j, a0);
+  for (int r = 0; r < RV; ++r) {              // row r's own keys, into its accumulators in key order
+    auto add_own = [&](int k, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
+      const E* v = vbase + own[r][k] * stride;
+      vf vv[D];
+      for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+      for (int h = 0; h < H; ++h) {
+        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + k]);
+        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
+      }
+    };
+    int k = s;
+    if constexpr (two) {
+      if ((k & 1) && k < n[r]) add_own(k++, a1);
+      for (; k + 2 <= n[r]; k += 2) {
+        add_own(k, a0);
+        add_own(k + 1, a1);
+      }
+    }
+    for (; k < n[r]; ++k) add_own(k, a0);
+  }
+  for (int r = 0; r < RV; ++r)
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < D; ++c) vstore(out[r * H + h] + VW * c, two ? vadd(a0[r][h][c], a1[r][h][c]) : a0[r][h][c]);
+}
+
 // The cache lines of KV rows first .. end (each D vectors of E) asked for ahead of their use.
 template <typename E, int D>
 inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, int first, int end) {
@@ -747,6 +795,14 @@ inline void block_softmax(float* sh, int n, float* ml) {
   ml[1] = vsum(sum);
 }
 
+// Heads h0 .. h0 + H of one row (queries q + h * head_dim, head_dim = D vectors) over keys 0 .. n
+// of a block of their KV head (rows at kbase / vbase + slots[i] * stride): each key and value row
+// is read from memory once for the H heads (it stays in L1 for the next head). Per head h: scores
+// (times `scaling`) into sc + h * KEY_BLOCK, then the block's top and sum of exp(score - top) into
+// ml[h][0..1], sum of exp(score - top) * value into out[h]. Each score: the query times the key row
+// vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
+// key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
+// a head depend on its query and the block's keys only.
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
@@ -778,29 +834,7 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
     }
   }
   for (int h = 0; h < H; ++h) block_softmax(sc + h * KEY_BLOCK, n, ml[h]);
-  vf a0[H][D], a1[H][D];
-  for (int h = 0; h < H; ++h)
-    for (int c = 0; c < D; ++c) a0[h][c] = a1[h][c] = vzero();
-  auto add_row = [&](int j, vf (&acc)[H][D]) __attribute__((always_inline)) {
-    const E* v = vbase + slots[j] * stride;
-    vf vv[D];
-    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
-    for (int h = 0; h < H; ++h) {
-      const vf w = vset1(sc[h * KEY_BLOCK + j]);
-      for (int c = 0; c < D; ++c) acc[h][c] = vfma(w, vv[c], acc[h][c]);
-    }
-  };
-  constexpr bool two = H * D <= 8;
-  int j = 0;
-  if constexpr (two) {
-    for (; j + 2 <= n; j += 2) {
-      add_row(j, a0);
-      add_row(j + 1, a1);
-    }
-  }
-  for (; j < n; ++j) add_row(j, a0);
-  for (int h = 0; h < H; ++h)
-    for (int c = 0; c < D; ++c) vstore(out[h] + VW * c, two ? vadd(a0[h][c], a1[h][c]) : a0[h][c]);
+  shared_values<KT, D, H, 1>(vbase, slots, n, &slots, &n, stride, sc, out);   // one row, all n keys in one run
 }
 
 constexpr int SHARED_ROWS = 8;    // rows at most in one task over a shared key block
@@ -854,62 +888,6 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
       else vstore_n(row, s, cnt);
     }
   }
-}
-
-// The values of rows 0 .. RV of a task (their exp scores in sc, row r head h at (r H + h) KEY_BLOCK):
-// the s keys they share (slots) with each value row read once for the RV rows and H heads, then each
-// row's own keys s .. n[r] (own[r]). Each row's sums are attend_heads': the same accumulators (even
-// and odd keys apart where H D <= 8) in the same key order.
-template <int KT, int D, int H, int RV>
-inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t* slots, int s,
-                          const int64_t* const* own, const int* n, int64_t stride, const float* sc, float* const* out) {
-  using E = typename KvElem<KT>::type;
-  constexpr bool two = H * D <= 8;
-  vf a0[RV][H][D], a1[RV][H][D];
-  for (int r = 0; r < RV; ++r)
-    for (int h = 0; h < H; ++h)
-      for (int c = 0; c < D; ++c) a0[r][h][c] = a1[r][h][c] = vzero();
-  auto add_row = [&](int j, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
-    const E* v = vbase + slots[j] * stride;
-    vf vv[D];
-    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
-    for (int r = 0; r < RV; ++r)
-      for (int h = 0; h < H; ++h) {
-        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + j]);
-        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
-      }
-  };
-  int j = 0;
-  if constexpr (two) {
-    for (; j + 2 <= s; j += 2) {
-      add_row(j, a0);
-      add_row(j + 1, a1);
-    }
-  }
-  for (; j < s; ++j) add_row(j, a0);
-  for (int r = 0; r < RV; ++r) {              // row r's own keys, into its accumulators in key order
-    auto add_own = [&](int k, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
-      const E* v = vbase + own[r][k] * stride;
-      vf vv[D];
-      for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
-      for (int h = 0; h < H; ++h) {
-        const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + k]);
-        for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
-      }
-    };
-    int k = s;
-    if constexpr (two) {
-      if ((k & 1) && k < n[r]) add_own(k++, a1);
-      for (; k + 2 <= n[r]; k += 2) {
-        add_own(k, a0);
-        add_own(k + 1, a1);
-      }
-    }
-    for (; k < n[r]; ++k) add_own(k, a0);
-  }
-  for (int r = 0; r < RV; ++r)
-    for (int h = 0; h < H; ++h)
-      for (int c = 0; c < D; ++c) vstore(out[r * H + h] + VW * c, two ? vadd(a0[r][h][c], a1[r][h][c]) : a0[r][h][c]);
 }
 
 // attend_heads for R rows (2 .. SHARED_ROWS) of one block whose first s keys they all read (the same
