@@ -24,7 +24,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 def test_bad_kv_dtype_is_an_error():
     with pytest.raises(InputError, match="kv_dtype"):
-        EngineConfig(kv_dtype="int8")
+        EngineConfig(kv_dtype="int4")
     with pytest.raises(InputError, match="kv_dtype"):
         EngineConfig(kv_dtype=torch.float16)
 

@@ -28,8 +28,8 @@ Set OMP_WAIT_POLICY=PASSIVE on a busy machine (recorded in the environment).
 Run: OMP_WAIT_POLICY=PASSIVE python -m benchmarks.micro.weights [--threads 2 --repeats 3 \
        --decode-tokens 64 --prefill-tokens 1024 --ppl-tokens 2048 --out benchmarks/results/weights.json]
 KV element type (kv_dtype), its effect on the decode step's perplexity over a long context:
-  python -m benchmarks.micro.weights --formats fp32,fp32-f16kv,fp32-bf16kv,int4,int4-f16kv --no-llama \
-      --decode-ppl-tokens 2048 --out benchmarks/results/weights_kv_dtype.json
+  python -m benchmarks.micro.weights --formats fp32,fp32-f16kv,fp32-bf16kv,fp32-int8kv,int4,int4-f16kv,int4-int8kv \
+      --no-llama --decode-ppl-tokens 2048 --out benchmarks/results/weights_kv_dtype.json
 Smoke: python -m benchmarks.micro.weights --formats fp32,int4 --decode-tokens 4 --prefill-tokens 64 \
        --ppl-tokens 128 --decode-ppl-tokens 16 --repeats 1 --no-llama --out /tmp/weights-smoke.json
 """
@@ -48,7 +48,7 @@ import torch
 from .._common import median_time
 
 # "-torch": native_decode=False (the PyTorch layer loop where the default takes the native step);
-# "-f16kv" / "-bf16kv" (not in the default list): KV kept in float16 / bfloat16 (kv_dtype), which only
+# "-f16kv" / "-bf16kv" / "-int8kv" (not in the default list): KV kept in float16 / bfloat16 / int8 (kv_dtype), which only
 # ppl_decode and the speeds see (ppl_1k / ppl_2k run the model's own forward)
 FORMATS = ("fp32", "fp32-torch", "bf16", "int8", "int4", "int4-torch")
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
@@ -75,7 +75,7 @@ def measure_format(fmt: str, args) -> dict:
     from kvboost_tools.awq.texts import evaluation_text
     base, _, variant = fmt.partition("-")
     native = {"native": True, "torch": False}.get(variant)
-    kv = {"f16kv": {"kv_dtype": "float16"}, "bf16kv": {"kv_dtype": "bfloat16"}}.get(variant, {})
+    kv = {"f16kv": {"kv_dtype": "float16"}, "bf16kv": {"kv_dtype": "bfloat16"}, "int8kv": {"kv_dtype": "int8"}}.get(variant, {})
     started = time.perf_counter()
     engine = Engine.from_pretrained(weights=None if base == "fp32" else base, cache_bytes=0, native_decode=native, **kv)
     load_s, rss_load = time.perf_counter() - started, _vm_kib("VmRSS") * 1024

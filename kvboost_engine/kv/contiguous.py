@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .element import load, store
 from .geometry import KVGeometry
 
 
 class SequenceKV:
     """KV buffer for one sequence, sized for prompt + new tokens up front (no regrowth).
 
-    Layout `[2, layers, 1, kv_heads, capacity, head_dim]`; per layer the attention reads
-    the view `[1, kv_heads, :length, head_dim]` without copying.
+    Layout `[2, layers, 1, kv_heads, capacity, row_width]` (kv/element.py); per layer the attention
+    reads the view `[1, kv_heads, :length, row_width]` (float KV: without copying).
     """
 
     allocates = True            # giving KV to the cache copies it into new pool blocks
@@ -25,47 +26,49 @@ class SequenceKV:
         self.geometry = g
         self.capacity = capacity
         self.pool = pool
-        self.data = torch.empty(2, g.num_layers, 1, g.kv_heads, capacity, g.head_dim, dtype=g.dtype, device=device)
+        self.data = torch.empty(2, g.num_layers, 1, g.kv_heads, capacity, g.row_width, dtype=g.dtype, device=device)
         self.device = self.data.device
         self._slots: torch.Tensor | None = None
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Store new K/V `[1, kv_heads, n, head_dim]` at positions start..start+n."""
         end = start + keys.shape[2]
-        self.data[0, layer, :, :, start:end] = keys
-        self.data[1, layer, :, :, start:end] = values
+        self.data[0, layer, :, :, start:end] = store(keys, self.data.dtype)
+        self.data[1, layer, :, :, start:end] = store(values, self.data.dtype)
 
     def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        self.data[0, layer, :, :, positions] = keys.to(self.data.dtype)
-        self.data[1, layer, :, :, positions] = values.to(self.data.dtype)
+        self.data[0, layer, :, :, positions] = store(keys, self.data.dtype)
+        self.data[1, layer, :, :, positions] = store(values, self.data.dtype)
 
     def gather(self, layer: int, positions: torch.Tensor):
-        return self.data[0, layer, :, :, positions], self.data[1, layer, :, :, positions]
+        """K and V at `positions` as values (int8 rows decoded): `[1, kv_heads, n, head_dim]` each."""
+        dtype = torch.float32 if self.data.dtype == torch.int8 else self.data.dtype
+        return tuple(load(self.data[i, layer, :, :, positions], dtype) for i in (0, 1))
 
     def slot_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the buffer as [2, layers, kv_heads, capacity, head_dim], slot of every position: itself),
+        """(the buffer as [2, layers, kv_heads, capacity, row_width], slot of every position: itself),
         for code that reads and writes KV by slot (the native decode step)."""
         if self._slots is None:
             self._slots = torch.arange(self.capacity, device=self.device)
         return self.data[:, :, 0], self._slots
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions 0..end: `[1, kv_heads, end, head_dim]` each, views."""
+        """K and V rows of positions 0..end as stored: `[1, kv_heads, end, row_width]` each, views."""
         return self.data[0, layer, :, :, :end], self.data[1, layer, :, :, :end]
 
     def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask=None,
                q_range=None, window=None):
-        keys, values = (part.to(query.dtype) for part in self.view(layer, end))     # kv_dtype: cast on read
+        keys, values = (load(part, query.dtype) for part in self.view(layer, end))   # kv_dtype: cast on read
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                               scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
 
     def load(self, kv: torch.Tensor, start: int) -> None:
-        """Copy KV `[2, layers, kv_heads, n, head_dim]` in at `start`."""
+        """Copy KV rows as stored `[2, layers, kv_heads, n, row_width]` in at `start`."""
         n = kv.shape[3]
         self.data[:, :, 0, :, start:start + n] = kv
 
     def export(self, start: int, end: int) -> torch.Tensor:
-        """A compact copy `[2, layers, kv_heads, end-start, head_dim]`."""
+        """A compact copy of the stored rows `[2, layers, kv_heads, end-start, row_width]`."""
         return self.data[:, :, 0, :, start:end].clone()
 
     def cache_blocks(self, first_index: int, end: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .element import load, store
 from .pool import BlockPool
 
 
@@ -78,7 +79,7 @@ class PagedSequence:
         return list(blocks)
 
     def load(self, kv: torch.Tensor, start: int) -> None:
-        """Copy KV `[2, layers, kv_heads, n, head_dim]` in at `start` (into private blocks)."""
+        """Copy KV rows as stored `[2, layers, kv_heads, n, row_width]` in at `start` (into private blocks)."""
         self.pool.write(self.table, start, kv)
 
     def _changed(self) -> None:
@@ -101,12 +102,13 @@ class PagedSequence:
         return self._slots
 
     def slot_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the pool's RAM [2, layers, kv_heads, slots, head_dim], slot of every position) for code
+        """(the pool's RAM [2, layers, kv_heads, slots, row_width], slot of every position) for code
         that reads and writes KV by slot (the native decode step); None while blocks are spilled."""
         return (self.pool.ram, self.slots()) if self._scatter_ok() else None
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         end = start + keys.shape[2]
+        keys, values = store(keys, self.pool.ram.dtype), store(values, self.pool.ram.dtype)
         for tensor, slot, pos, n in self.runs(end):
             lo, hi = max(pos, start), min(pos + n, end)
             if lo < hi:
@@ -123,23 +125,25 @@ class PagedSequence:
             return
         slots = self.slots()[positions.to(self.pool.ram.device)]
         ram = self.pool.ram
-        ram[0, layer, :, slots] = keys[0].to(ram.dtype)
-        ram[1, layer, :, slots] = values[0].to(ram.dtype)
+        ram[0, layer, :, slots] = store(keys[0], ram.dtype)
+        ram[1, layer, :, slots] = store(values[0], ram.dtype)
 
     def gather(self, layer: int, positions: torch.Tensor):
+        """K and V at `positions` as values (int8 rows decoded): `[1, kv_heads, n, head_dim]` each."""
+        dtype = torch.float32 if self.pool.ram.dtype == torch.int8 else self.pool.ram.dtype
         if not self._scatter_ok():
             kv = self.pool.read(self.table, 0, int(positions.max()) + 1)[:, layer][:, :, positions]
-            return kv[0][None], kv[1][None]
+            return load(kv[0][None], dtype), load(kv[1][None], dtype)
         slots = self.slots()[positions.to(self.pool.ram.device)]
-        return self.pool.ram[0, layer, :, slots][None], self.pool.ram[1, layer, :, slots][None]
+        return load(self.pool.ram[0, layer, :, slots][None], dtype), load(self.pool.ram[1, layer, :, slots][None], dtype)
 
     def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask,
                q_range: tuple[int, int] = (0, 0), window: int | None = None):
         # query [1, H, N, D] at positions within q_range (inclusive) -> [1, H, N, D]
         runs = self.runs(end)
         if len(runs) == 1 or end <= GATHER_MAX_KEYS:
-            keys, values = (_joined([tensor[i, layer, :, slot:slot + n] for tensor, slot, _, n in runs])[None]
-                            .to(query.dtype) for i in (0, 1))
+            keys, values = (load(_joined([tensor[i, layer, :, slot:slot + n] for tensor, slot, _, n in runs])[None],
+                                 query.dtype) for i in (0, 1))
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                                   scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
         full = None
@@ -185,8 +189,8 @@ class PagedSequence:
         if not scratch:
             scratch.update(self._shared_plan(seqs, ends, shared))
         ram = self.pool.ram
-        ram[0, layer].index_copy_(1, scratch["new"], keys[0].to(ram.dtype))
-        ram[1, layer].index_copy_(1, scratch["new"], values[0].to(ram.dtype))
+        ram[0, layer].index_copy_(1, scratch["new"], store(keys[0], ram.dtype))
+        ram[1, layer].index_copy_(1, scratch["new"], store(values[0], ram.dtype))
         parts = [attend_with_lse(query, ram[0, layer, :, slot:slot + n][None], ram[1, layer, :, slot:slot + n][None],
                                  None, scaling) for slot, n in scratch["runs"]]
         if scratch["gathered"] is not None:
@@ -205,7 +209,7 @@ class PagedSequence:
         _, heads, m, dim = query.shape
         ram = self.pool.ram
         kv_heads = ram.shape[2]
-        tail_k, tail_v = (ram[i, layer].index_select(1, scratch["tail"]).view(kv_heads, m, -1, dim)
+        tail_k, tail_v = (load(ram[i, layer].index_select(1, scratch["tail"]), torch.float32).view(kv_heads, m, -1, dim)
                           for i in (0, 1))                                                   # [Hkv, M, L, D]
         q = query[0].view(kv_heads, heads // kv_heads, m, dim).transpose(1, 2).float()         # [Hkv, M, G, D]
         scores = torch.matmul(q, tail_k.float().transpose(-1, -2)).mul_(scaling)              # [Hkv, M, G, L]
@@ -242,11 +246,12 @@ def _joined(views: list) -> torch.Tensor:
 
 
 def attend_with_lse(query, keys, values, mask, scale):
-    """Attention of query [1, H, N, D] over one run of keys [1, Hkv, S, D]: (out [1, H, N, D], lse [1, H, N])."""
+    """Attention of query [1, H, N, D] over one run of stored keys and values [1, Hkv, S, row_width]
+    (kv/element.py): (out [1, H, N, D], lse [1, H, N])."""
     _, heads, n, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    keys, values = keys.to(query.dtype), values.to(query.dtype)        # KV kept in another dtype (kv_dtype)
+    keys, values = load(keys, query.dtype), load(values, query.dtype)  # KV kept in another dtype (kv_dtype)
     q = query.reshape(1, kv_heads, group * n, dim)                      # rows: (group, position)
     additive = None
     visible = None

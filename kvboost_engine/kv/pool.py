@@ -1,6 +1,6 @@
 """The KV block pool: fixed-size blocks preallocated up to a byte budget, shared by reference.
 
-Storage is one tensor `[2, layers, kv_heads, slots, head_dim]`; block b owns slots
+Storage is one tensor `[2, layers, kv_heads, slots, row_width]` (kv/element.py); block b owns slots
 [b * block_tokens, (b + 1) * block_tokens). Consecutive block ids are consecutive slots, so a
 run of consecutive blocks is read by attention as a plain view, without copying.
 
@@ -38,7 +38,7 @@ class BlockPool:
         self.ram_blocks = budget_bytes // self.block_bytes
         self.spill_blocks = spill_bytes // self.block_bytes if spill_dir else 0
         g, b = geometry, block_tokens
-        self.ram = torch.empty(2, g.num_layers, g.kv_heads, max(self.ram_blocks, 1) * b, g.head_dim,
+        self.ram = torch.empty(2, g.num_layers, g.kv_heads, max(self.ram_blocks, 1) * b, g.row_width,
                                dtype=g.dtype, device=device, pin_memory=pin_memory)
         self.spill = _spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks else None
         total = self.ram_blocks + self.spill_blocks
@@ -168,7 +168,7 @@ def _spill_tensor(directory: str, blocks: int, g: KVGeometry, block_tokens: int)
     os.makedirs(directory, exist_ok=True)
     handle, path = tempfile.mkstemp(prefix="spill-", suffix=".kv", dir=directory)
     os.close(handle)
-    shape = (2, g.num_layers, g.kv_heads, blocks * block_tokens, g.head_dim)
+    shape = (2, g.num_layers, g.kv_heads, blocks * block_tokens, g.row_width)
     numel = int(np.prod(shape))
     tensor = torch.from_file(path, shared=True, size=numel, dtype=g.dtype).view(shape)
     os.unlink(path)                  # the mapping keeps the (sparse) file alive until exit

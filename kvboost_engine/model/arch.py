@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from . import compat
 from ..kv.geometry import KVGeometry
 
@@ -149,6 +149,8 @@ class ModelAdapter:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.geometry = KVGeometry(len(self.layers), kv_heads, head_dim, kv_dtype or self.dtype)
+        if (reason := self.geometry.unsupported()) is not None:
+            raise InputError(reason)
         self.context_window = int(config.max_position_embeddings)
         self.layer_windows = tuple(self._window(i) for i in range(len(self.layers)))
         # which of the rotary's frequency sets each layer uses (None: the rotary has one set)

@@ -9,7 +9,7 @@ import torch
 
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # decode.cpp KvType
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}   # decode.cpp KvType
 NO_M = 3                                                         # ScaleType S_NONE: m not stored
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 

@@ -10,7 +10,9 @@
 // matrix then reads 4 or 8 bits per weight and its d only (a tenth fewer bytes). Float32 weights
 // (bits = 32, the model's own row-major matrices) are read as they are, with the float activations.
 // Each row's arithmetic is the same whatever M and whatever rows share the step (batch-invariant).
-// KV rows are float32, or float16 / bfloat16 (kv_type): read as floats, written rounded to nearest.
+// KV rows are float32, or float16 / bfloat16 (kv_type): read as floats, written rounded to nearest; or
+// int8 with a float16 scale per block of 32 (after the row's codes): read as code * scale, written
+// quantized as kv/element.py quantizes.
 //
 // Plain C ABI (loaded with ctypes; no PyTorch headers): the caller keeps every tensor alive and
 // passes raw pointers. Written for kvboost (kvboost_engine/native/decoder.py gives the layouts).
@@ -44,7 +46,8 @@ constexpr size_t PREFETCH = 2048;   // bytes of weight codes asked for ahead of 
 
 enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3 };   // element type of a matrix's d and m
                                                                     // (S_NONE: m not stored)
-enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };               // element type of the KV (kv_dtype)
+enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };   // element type of the KV (kv_dtype)
+constexpr int KV_I8_BLOCK = 32;   // values per float16 scale of an int8 KV row (kv/element.py)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
   const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
@@ -84,6 +87,7 @@ struct Layer {
 //   vexp(v)                           e^v (v <= 88; 0 below the float range)
 //   load_scales<T>(p, i)              VW scales of ScaleType T from p + i, as floats
 //   f16_scalar(h) bf16_scalar(h)      one scale
+//   i8_to_f32(p)                      VW int8 values as floats
 //   dot_block<BITS, R>(wp, half, xb, s)  vi s[r] (VW int32 lanes): the exact dot products of the
 //                                     codes of one (tile, block) at wp, output rows half * VW .. + VW
 //                                     (HALVES = TILE / VW per tile), with the 32 int8 activations of
@@ -175,6 +179,7 @@ inline vf bf16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline vf f16_to_f32(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vf i8_to_f32(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 inline float f16_scalar(uint16_t v) { return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(v)))); }
 
 // s[r] = sum(code * x) for the 16 rows of one (tile, block) and R rows of activations xb[r] (8 int32
@@ -304,6 +309,7 @@ inline vf bf16_to_f32(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline vf f16_to_f32(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf i8_to_f32(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline float f16_scalar(uint16_t v) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(v)))); }
 
 // One half (rows half * 8 .. + 8) of a (tile, block): the 32 bytes at half * 32 of each 64-byte chunk
@@ -643,22 +649,40 @@ inline float dot(const float* a, const float* b, int n) {
 }
 
 // KV rows of element type KT (KvType): float32, or float16 / bfloat16 read as floats and written
-// rounded to nearest even (as PyTorch's .to() rounds), NaN as PyTorch writes it.
+// rounded to nearest even (as PyTorch's .to() rounds), NaN as PyTorch writes it; or int8 rows (dim
+// codes, then dim / 32 float16 scales) read as code * scale (exact in float32) and written as
+// kv/element.py's store() writes them.
 template <int KT> struct KvElem { using type = uint16_t; };
 template <> struct KvElem<KV_F32> { using type = float; };
+template <> struct KvElem<KV_I8> { using type = int8_t; };
 
+// bytes of one stored row of dim values
 template <int KT>
-inline vf kv_load(const typename KvElem<KT>::type* p) {
-  if constexpr (KT == KV_F32) return vload(p);
-  else if constexpr (KT == KV_F16) return f16_to_f32(p);
-  else return bf16_to_f32(p);
+constexpr int kv_row_bytes(int dim) { return KT == KV_I8 ? dim + dim / KV_I8_BLOCK * 2 : dim * (KT == KV_F32 ? 4 : 2); }
+
+// the scale of value i of an int8 row of dim values
+inline float kv_i8_scale(const int8_t* row, int i, int dim) {
+  uint16_t h;
+  std::memcpy(&h, reinterpret_cast<const char*>(row + dim) + 2 * (i / KV_I8_BLOCK), sizeof h);
+  return f16_scalar(h);
 }
 
+// values VW c .. VW c + VW of a stored row of dim values, as floats
 template <int KT>
-inline float kv_scalar(const typename KvElem<KT>::type* p) {
-  if constexpr (KT == KV_F32) return *p;
-  else if constexpr (KT == KV_F16) return _cvtsh_ss(*p);
-  else return bf16_scalar(*p);
+inline vf kv_vec(const typename KvElem<KT>::type* row, int c, int dim) {
+  if constexpr (KT == KV_F32) return vload(row + VW * c);
+  else if constexpr (KT == KV_F16) return f16_to_f32(row + VW * c);
+  else if constexpr (KT == KV_BF16) return bf16_to_f32(row + VW * c);
+  else return vmul(i8_to_f32(row + VW * c), vset1(kv_i8_scale(row, VW * c, dim)));
+}
+
+// value i of a stored row of dim values
+template <int KT>
+inline float kv_elem(const typename KvElem<KT>::type* row, int i, int dim) {
+  if constexpr (KT == KV_F32) return row[i];
+  else if constexpr (KT == KV_F16) return _cvtsh_ss(row[i]);
+  else if constexpr (KT == KV_BF16) return bf16_scalar(row[i]);
+  else return static_cast<float>(row[i]) * kv_i8_scale(row, i, dim);
 }
 
 inline uint16_t bf16_round(float f) {
@@ -668,27 +692,41 @@ inline uint16_t bf16_round(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// n floats from src into the KV element at `at` (element offset into base), type kv_type
+// n floats (one row) into the stored KV row at `at` (element offset into base), type kv_type. int8:
+// per block of 32, d = fp16(max |x| / 127), code = round-half-even(x / d) clamped to +-127 (x / 1
+// where d is 0), the scales after the n codes (kv/element.py's store(), the same numbers).
 inline void kv_put(void* base, int kv_type, int64_t at, const float* src, int n) {
   if (kv_type == KV_F32) {
     std::memcpy(static_cast<float*>(base) + at, src, sizeof(float) * n);
   } else if (kv_type == KV_F16) {
     uint16_t* dst = static_cast<uint16_t*>(base) + at;
     for (int i = 0; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-  } else {
+  } else if (kv_type == KV_BF16) {
     uint16_t* dst = static_cast<uint16_t*>(base) + at;
     for (int i = 0; i < n; ++i) dst[i] = bf16_round(src[i]);
+  } else {
+    int8_t* dst = static_cast<int8_t*>(base) + at;
+    for (int b = 0; b < n / KV_I8_BLOCK; ++b) {
+      const float* x = src + b * KV_I8_BLOCK;
+      float amax = 0.f;
+      for (int i = 0; i < KV_I8_BLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const uint16_t d16 = _cvtss_sh(std::min(amax / 127.f, 65504.f), _MM_FROUND_TO_NEAREST_INT);
+      const float d = _cvtsh_ss(d16), div = d > 0.f ? d : 1.f;
+      for (int i = 0; i < KV_I8_BLOCK; ++i)
+        dst[b * KV_I8_BLOCK + i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] / div))));
+      std::memcpy(reinterpret_cast<char*>(dst + n) + 2 * b, &d16, sizeof d16);
+    }
   }
 }
 
-// the dot product of a float query and a KV row of n elements (vector by vector, then the tail)
+// the dot product of a float query and a stored KV row of n values (vector by vector, then the tail)
 template <int KT>
 inline float kv_dot(const float* a, const typename KvElem<KT>::type* b, int n) {
   vf acc = vzero();
   int i = 0;
-  for (; i + VW <= n; i += VW) acc = vfma(vload(a + i), kv_load<KT>(b + i), acc);
+  for (; i + VW <= n; i += VW) acc = vfma(vload(a + i), kv_vec<KT>(b, i / VW, n), acc);
   float s = vsum(acc);
-  for (; i < n; ++i) s += a[i] * kv_scalar<KT>(b + i);
+  for (; i < n; ++i) s += a[i] * kv_elem<KT>(b, i, n);
   return s;
 }
 
@@ -719,7 +757,7 @@ inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t*
   auto add_row = [&](int j, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
     const E* v = vbase + slots[j] * stride;
     vf vv[D];
-    for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+    for (int c = 0; c < D; ++c) vv[c] = kv_vec<KT>(v, c, D * VW);
     for (int r = 0; r < RV; ++r)
       for (int h = 0; h < H; ++h) {
         const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + j]);
@@ -738,7 +776,7 @@ inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t*
     auto add_own = [&](int k, vf (&acc)[RV][H][D]) __attribute__((always_inline)) {
       const E* v = vbase + own[r][k] * stride;
       vf vv[D];
-      for (int c = 0; c < D; ++c) vv[c] = kv_load<KT>(v + VW * c);
+      for (int c = 0; c < D; ++c) vv[c] = kv_vec<KT>(v, c, D * VW);
       for (int h = 0; h < H; ++h) {
         const vf w = vset1(sc[(r * H + h) * KEY_BLOCK + k]);
         for (int c = 0; c < D; ++c) acc[r][h][c] = vfma(w, vv[c], acc[r][h][c]);
@@ -759,10 +797,10 @@ inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t*
       for (int c = 0; c < D; ++c) vstore(out[r * H + h] + VW * c, two ? vadd(a0[r][h][c], a1[r][h][c]) : a0[r][h][c]);
 }
 
-// The cache lines of KV rows first .. end (each D vectors of E) asked for ahead of their use.
-template <typename E, int D>
+// The cache lines of KV rows first .. end (each D vectors of values of type KT) asked for ahead of their use.
+template <int KT, int D, typename E>
 inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, int first, int end) {
-  constexpr int row_bytes = D * VW * static_cast<int>(sizeof(E));
+  constexpr int row_bytes = kv_row_bytes<KT>(D * VW);
   for (int j = first; j < end; ++j) {
     const char* p = reinterpret_cast<const char*>(base + slots[j] * stride);
     for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
@@ -808,12 +846,12 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
                   int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
   using E = typename KvElem<KT>::type;
-  prefetch_rows<E, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
+  prefetch_rows<KT, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
   for (int i = 0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
     // the keys KEYS_AHEAD on, and this group's values (summed once the block's scores are done)
-    prefetch_rows<E, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
-    prefetch_rows<E, D>(vbase, slots, stride, i, i + cnt);
+    prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
+    prefetch_rows<KT, D>(vbase, slots, stride, i, i + cnt);
     // A last, partial group scores its last key again in the lanes past cnt (never stored): lane j
     // of vsum_lanes depends on p[j] only, so the kept lanes are those of a full group, and the
     // loop has no branch per key.
@@ -824,8 +862,8 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
       for (int c = 0; c < D; ++c) qv[c] = vload(q + h * head_dim + VW * c);
       vf p[VW];
       for (int j = 0; j < VW; ++j) {
-        vf s = vmul(qv[0], kv_load<KT>(k[j]));
-        for (int c = 1; c < D; ++c) s = vfma(qv[c], kv_load<KT>(k[j] + VW * c), s);
+        vf s = vmul(qv[0], kv_vec<KT>(k[j], 0, D * VW));
+        for (int c = 1; c < D; ++c) s = vfma(qv[c], kv_vec<KT>(k[j], c, D * VW), s);
         p[j] = s;
       }
       const vf s = vmul(vsum_lanes(p), vset1(scaling));
@@ -852,16 +890,16 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
                           const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int i0,
                           int n, float scaling, float* sc, float* kt, float* ps) {
   using E = typename KvElem<KT>::type;
-  prefetch_rows<E, D>(kbase, slots, stride, i0, std::min(n, i0 + KEYS_AHEAD));
+  prefetch_rows<KT, D>(kbase, slots, stride, i0, std::min(n, i0 + KEYS_AHEAD));
   for (int i = i0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
-    prefetch_rows<E, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
-    prefetch_rows<E, D>(vbase, slots, stride, i, i + cnt);
+    prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
+    prefetch_rows<KT, D>(vbase, slots, stride, i, i + cnt);
     const E* k[VW];
     for (int j = 0; j < VW; ++j) k[j] = kbase + slots[i + std::min(j, cnt - 1)] * stride;
     for (int c = 0; c < D; ++c) {            // kt[c VW + l] lane j: column c VW + l of key i + j
       vf t[VW];
-      for (int j = 0; j < VW; ++j) t[j] = kv_load<KT>(k[j] + VW * c);
+      for (int j = 0; j < VW; ++j) t[j] = kv_vec<KT>(k[j], c, D * VW);
       transpose(t);
       for (int l = 0; l < VW; ++l) vstore(kt + (c * VW + l) * VW, t[l]);
     }
@@ -1137,7 +1175,7 @@ struct Decoder {
       std::memset(out[h], 0, sizeof(float) * head_dim);
       for (int j = 0; j < n; ++j) {
         const E* v = vbase + slots[j] * st[3];
-        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * kv_scalar<KT>(v + c);
+        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * kv_elem<KT>(v, c, head_dim);
       }
       ml[h][0] = top;
       ml[h][1] = sum;
@@ -1325,6 +1363,7 @@ struct Decoder {
           const int c = task.count, s = task.shared;
           if (kv_type == KV_F16) attend_rows<KV_F16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
           else if (kv_type == KV_BF16) attend_rows<KV_BF16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
+          else if (kv_type == KV_I8) attend_rows<KV_I8>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
           else attend_rows<KV_F32>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
           continue;
         }
@@ -1333,6 +1372,7 @@ struct Decoder {
         const int t0 = off[r] + hd * nb + task.blk;
         if (kv_type == KV_F16) attend_block<KV_F16>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
         else if (kv_type == KV_BF16) attend_block<KV_BF16>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
+        else if (kv_type == KV_I8) attend_block<KV_I8>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
         else attend_block<KV_F32>(l, rows[r], r, hd, count, k0, k1, t0, nb, sc);
       }
     }
@@ -1496,7 +1536,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 8; }
+int kvb_abi_version() { return 9; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }

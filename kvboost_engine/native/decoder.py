@@ -21,8 +21,9 @@ with and without cache decodes through the same step). A model whose every decod
 head is a PackedLinear (weights/packed.py: a quantized file's codes, d in bf16 / fp16 / fp32, m in
 fp16 / fp32, already in the kernel's tiles) is read in place too: no copy, no repack.
 
-KV is float32, or float16 / bfloat16 (EngineConfig.kv_dtype): the step reads those rows as floats
-and writes its own K and V rounded to nearest even, as the PyTorch path's `.to()` does.
+KV is float32, float16 / bfloat16 or int8 (EngineConfig.kv_dtype): the step reads those rows as floats
+(int8: code * scale) and writes its own K and V as the PyTorch path stores them (kv/element.py:
+rounded to nearest even, or quantized per block of 32), the same bytes for the same values.
 
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
 types), float32, and either every decoder linear layer in int4 with the head in int8
@@ -132,7 +133,7 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
     if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
         return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
     if adapter.geometry.dtype not in abi.KV_TYPES:
-        return f"KV in {adapter.geometry.dtype} (the step reads float32, float16 or bfloat16 KV)"
+        return f"KV in {adapter.geometry.dtype} (the step reads float32, float16, bfloat16 or int8 KV)"
     if getattr(adapter.model, "kvboost_streamer", None) is not None:
         return "layers are streamed"
     kind = weights_kind(adapter)
@@ -159,7 +160,7 @@ class NativeDecoder:
         self._lib = lib
         plain, g = adapter.plain_llama()[0], adapter.geometry
         self._keep = []                                         # every tensor the native side points at
-        self.kv_dtype = g.dtype                                 # float32, or float16 / bfloat16 (kv_dtype)
+        self.kv_dtype = g.dtype                                 # float32, float16 / bfloat16 or int8 (kv_dtype)
         self.kind = weights_kind(adapter)
         # Sequences decoding together: up to this many take one native step over all of them (one
         # row each, each row's numbers the same as its step alone); more take the PyTorch batch.

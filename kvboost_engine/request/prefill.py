@@ -24,6 +24,7 @@ from ..config import EngineConfig
 from ..errors import BudgetError
 from ..kv.cache import ChunkCache, Match
 from ..kv.contiguous import SequenceKV
+from ..kv.element import load, store
 from ..kv.paged import PagedSequence
 from ..kv.tree import KVSpan
 from ..model.arch import ModelAdapter
@@ -225,7 +226,12 @@ def window_rule(spans: list[KVSpan], layer_windows: tuple, cache: ChunkCache) ->
 def _load_moved(parts: PrefillParts, sequence, span: KVSpan) -> None:
     kv = parts.cache.pool.read(span.table, span.source_start, span.length)
     if span.source_start != span.start:
-        parts.mover.move(kv[0], span.source_start, span.start)             # keys [layers, kv_heads, n, D]
+        if kv.dtype == torch.int8:                      # int8 rows: rotated as values, stored again
+            keys = load(kv[0], torch.float32)
+            parts.mover.move(keys, span.source_start, span.start)
+            kv[0] = store(keys, torch.int8)
+        else:
+            parts.mover.move(kv[0], span.source_start, span.start)         # keys [layers, kv_heads, n, D]
     sequence.load(kv, span.start)
 
 

@@ -1,0 +1,237 @@
+"""KV kept in int8 (EngineConfig.kv_dtype="int8"): rows of int8 codes per block of 32 with a float16
+scale each (kv/element.py); the native step (each instruction-set variant) reads and writes them as the
+PyTorch path does; batched rows stay bit-identical to serial steps; exact reuse stays token-exact; the
+disk tier, moved reuse and the byte budgets see the stored rows; bad settings are an error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_engine import Engine, InputError
+from kvboost_engine.config import EngineConfig
+from kvboost_engine.kv.element import INT8_BLOCK, load, row_width, store
+from kvboost_engine.kv.paged import PagedSequence
+from kvboost_engine.kv.pool import BlockPool
+from kvboost_engine.model.arch import ModelAdapter
+from kvboost_engine.model.forward import Forward
+from kvboost_engine.native import build
+from kvboost_engine.native.decoder import native_decoder
+from test_engine_exact import replay
+from test_moved_reuse import as_parts
+from test_native_decode import PROMPT, _contiguous, _paged
+from test_native_rows import make
+
+_CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler")
+needs_cpu = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
+I8 = torch.int8
+# head_dim 32 (one scale a row), 64 (two) and 96 (a head size the kernels take by the generic path)
+HEADS = {"head32": {"num_attention_heads": 4, "num_key_value_heads": 2},
+         "head64": {"num_attention_heads": 2, "num_key_value_heads": 1},
+         "head96": {"head_dim": 96, "num_attention_heads": 4, "num_key_value_heads": 2}}
+
+
+def _blocks_scale(rows: torch.Tensor) -> torch.Tensor:
+    """The float16 scale of each block of 32 of stored int8 rows, repeated over its values."""
+    head_dim = rows.shape[-1] * INT8_BLOCK // (INT8_BLOCK + 2)
+    scales = rows[..., head_dim:].contiguous().view(torch.float16).float()
+    return scales.repeat_interleave(INT8_BLOCK, dim=-1)
+
+
+# ---- the format ----------------------------------------------------------------------------
+def test_store_and_load_round_trip_within_half_a_step_and_store_again_the_same_bytes():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64) * torch.tensor([0.01] * 32 + [40.0] * 32)      # blocks of very different size
+    x[0, 0] = 0.0                                                           # an all-zero row
+    rows = store(x, I8)
+    assert rows.dtype == I8 and rows.shape == (3, 5, row_width(64, I8)) == (3, 5, 68)
+    back = load(rows, torch.float32)
+    assert back.shape == x.shape and torch.equal(back[0, 0], torch.zeros(64))
+    assert ((back - x).abs() <= _blocks_scale(rows) / 2 + 1e-7).all()
+    assert torch.equal(store(back, I8), rows)                               # well-formed rows: a fixed point
+    assert (rows[..., :64].abs().amax(-1) == 127)[1:].all()                 # every non-zero block spans +-127
+
+
+def test_codes_round_half_to_even_like_llama_q8_0():
+    x = torch.zeros(32)
+    x[:6] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.49, 126.5])             # amax 127: d = 1 exactly
+    rows = store(x, I8)
+    assert rows[:6].tolist() == [127, 2, 4, -2, 0, 126]
+    assert rows[32:].view(torch.float16).item() == 1.0
+
+
+def test_int8_kv_needs_a_head_dim_of_whole_blocks_and_no_second_disk_quantization(tmp_path):
+    with pytest.raises(InputError, match="disk_kv_int8"):
+        EngineConfig(kv_dtype="int8", disk_kv_int8=True, disk_cache_dir=str(tmp_path))
+    model = make("float", "llama", {}, None)                                # head_dim 16
+    with pytest.raises(InputError, match="multiple of 32"):
+        ModelAdapter(model, I8)
+
+
+# ---- the PyTorch path and the native step ----------------------------------------------------
+def _native_vs_pytorch(weights, heads, kv_factory, tmp_path, steps=6):
+    model = make(weights, "llama", HEADS[heads], tmp_path)
+    adapter = ModelAdapter(model, I8)
+    forward = Forward(adapter)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    kv_torch, kv_native = kv_factory(adapter), kv_factory(adapter)
+    with torch.inference_mode():
+        pairs = [(forward(kv_torch, PROMPT, 0), decoder.prefill(kv_native, PROMPT, 0))]
+        for n, token in enumerate(PROMPT[:steps]):
+            position = len(PROMPT) + n
+            pairs.append((forward(kv_torch, [token], position), decoder(kv_native, token, position)))
+    end = len(PROMPT) + steps
+    return pairs, [_rows(kv, end) for kv in (kv_torch, kv_native)]
+
+
+@needs_cpu
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_native_step_reads_and_writes_int8_kv_as_the_pytorch_path(tmp_path, weights, heads, kv_factory):
+    """Native prefill and decode over int8 KV against the PyTorch path over int8 KV: the rows the native
+    step writes are well-formed (store(load(rows)) == rows) and within one quantization step of the
+    PyTorch path's (float weights: mostly the same codes; a K a float rounding apart can round to the
+    neighbouring code); the logits agree to float tolerance (float weights) or the int8 rounding of
+    activations (int4)."""
+    pairs, (want_rows, got_rows) = _native_vs_pytorch(weights, heads, kv_factory, tmp_path)
+    tolerance = 1e-3 if weights == "float" else 0.05
+    for n, (want, got) in enumerate(pairs):
+        assert ((got - want).norm() / want.norm()) < tolerance, n
+        if weights == "float":
+            assert int(got.argmax()) == int(want.argmax())
+    assert torch.equal(store(load(got_rows, torch.float32), I8), got_rows)
+    want, got = load(want_rows, torch.float32), load(got_rows, torch.float32)
+    if weights == "float":
+        step = torch.maximum(_blocks_scale(want_rows), _blocks_scale(got_rows))
+        assert ((got - want).abs() <= step * 1.01 + 1e-6).all()
+        assert (got_rows == want_rows).float().mean() > 0.97
+    else:
+        assert ((got - want).norm() / want.norm()) < 0.05
+
+
+@needs_cpu
+@pytest.mark.parametrize("isa", list(build.ISAS))
+def test_each_variant_reads_and_writes_int8_kv_alike(isa, monkeypatch, tmp_path):
+    reason = build.isa_reason(isa)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv(build.ENV, isa)
+    for heads in ("head64", "head96"):
+        pairs, (want_rows, got_rows) = _native_vs_pytorch("float", heads, _paged, tmp_path, steps=3)
+        for want, got in pairs:
+            assert ((got - want).norm() / want.norm()) < 1e-3
+        assert (got_rows == want_rows).float().mean() > 0.97
+
+
+@needs_cpu
+@pytest.mark.parametrize("isa", list(build.ISAS))
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_batched_rows_over_int8_kv_match_serial_steps(tmp_path, weights, isa, monkeypatch):
+    """Sequences over shared cached blocks (300 tokens: a whole key block and part of the next) and a
+    sequence of its own decode in one step bit for bit as in steps of their own, logits and KV."""
+    reason = build.isa_reason(isa)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv(build.ENV, isa)
+    model = make(weights, "llama", HEADS["head64"], tmp_path)
+    adapter = ModelAdapter(model, I8)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    shared = [(7 * i + 3) % 900 + 5 for i in range(300)]
+    tails = [[11, 12], [13, 14], [15], [16, 17, 18], [11, 12]]
+
+    def sequences():
+        pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
+        base = PagedSequence(pool, 320)
+        base.reserve()
+        decoder.prefill(base, shared, 0)
+        out = []
+        for tail in tails:
+            seq = PagedSequence(pool, 320)
+            seq.map_shared(base.cache_blocks(0, 300))
+            seq.reserve()
+            decoder.prefill(seq, tail, 300)
+            out.append(seq)
+        alone = PagedSequence(pool, 320)                        # nothing shared
+        alone.reserve()
+        decoder.prefill(alone, shared[:40], 0)
+        return out + [alone]
+
+    with torch.inference_mode():
+        serial, batch = sequences(), sequences()
+        positions = [300 + len(t) for t in tails] + [40]
+        for step in range(3):
+            tokens = [20 + i + step for i in range(len(positions))]
+            want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
+            got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
+            for w, g in zip(want, got):
+                assert torch.equal(w, g)
+    for a, b, p in zip(serial, batch, positions):
+        assert torch.equal(_rows(a, p + 3), _rows(b, p + 3))
+
+
+def _rows(kv, end: int) -> torch.Tensor:
+    """The stored rows of positions 0..end of a sequence: [2, layers, kv_heads, end, row_width]."""
+    ram, slots = kv.slot_view()
+    return ram[:, :, :, slots[:end]]
+
+
+# ---- the engine ----------------------------------------------------------------------------
+@pytest.mark.parametrize("native", [False, True], ids=["pytorch", "native"])
+def test_multi_turn_reuse_is_token_exact_with_int8_kv(smol, native):
+    """A 3-turn chat with int8 KV: with and without cache, the same tokens; the native step's logits bit
+    for bit (every path stores the same codes for the same values, and a cached turn's KV is the KV
+    the same step would write); the PyTorch path's within 2 % (a key from a prefill's product and a
+    decode step's, a float rounding apart, can take the neighbouring code: a whole step of up to 1/254
+    of its block's largest value; measured 0.3-0.6 %)."""
+    if native and _CANNOT is not None:
+        pytest.skip(_CANNOT)
+    model, tokenizer = smol
+    warm = replay(Engine(model, tokenizer, kv_dtype="int8", native_decode=native, cache_bytes=256 << 20), turns=3)
+    cold = replay(Engine(model, tokenizer, kv_dtype="int8", native_decode=native, cache_bytes=0), turns=3)
+    for turn, ((gw, lw, _), (gc, lc, _)) in enumerate(zip(warm, cold), 1):
+        assert gw.token_ids == gc.token_ids, turn
+        assert torch.equal(lw, lc) if native else float((lw - lc).norm() / lc.norm()) < 0.02, turn
+        if turn >= 2:
+            assert gw.reused_tokens > 0
+
+
+def test_int8_kv_is_reported_takes_17_64ths_and_keeps_disk_entries_apart(smol, tmp_path):
+    """stats() names int8; a token's KV takes 68 bytes a row of 64 values (17/64 of float32's); the disk
+    tier serves int8 entries to an int8 engine after a restart (the stored rows as they are), never to
+    a float32 one; the pool budget counts stored bytes."""
+    model, tokenizer = smol
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
+                {"role": "user", "content": "Name a colour."}]
+    kw = dict(cache_bytes=64 << 20, kv_pool_bytes=128 << 20, disk_cache_dir=str(tmp_path), native_decode=False)
+    first = Engine(model, tokenizer, kv_dtype="int8", **kw)
+    wide = Engine(model, tokenizer, **kw)
+    assert first.stats()["kv_dtype"] == "int8" and first.fingerprint != wide.fingerprint
+    assert first.adapter.geometry.bytes_per_token * 256 == wide.adapter.geometry.bytes_per_token * 68
+    assert first.stats()["pool_ram_blocks"] == wide.stats()["pool_ram_blocks"] * 256 // 68    # the same bytes, 3.76x the tokens
+    want = first.chat(messages, max_new_tokens=8)
+    first.close()
+    wide.close()
+    again = Engine(model, tokenizer, kv_dtype="int8", **kw)
+    got = again.chat(messages, max_new_tokens=8)
+    assert got.token_ids == want.token_ids and got.reused_tokens > 0 and again.stats()["disk_hits"] > 0
+    again.close()
+    other = Engine(model, tokenizer, **kw)
+    assert other.chat(messages, max_new_tokens=8).reused_tokens == 0
+    other.close()
+
+
+def test_moved_reuse_rotates_int8_keys_as_values(smol):
+    """Moved documents over int8 KV: their keys are read as values, rotated and stored again; the
+    reply stays that of float32 KV on the same moved spans for its first tokens."""
+    model, tokenizer = smol
+    replies = {}
+    for kv_dtype in (None, "int8"):
+        engine = Engine(model, tokenizer, kv_dtype=kv_dtype, moved_reuse="blend")
+        engine.chat(as_parts([0, 1, 2], "Which record mentions volcanoes?"), max_new_tokens=4)
+        g = engine.chat(as_parts([2, 0, 1], "Which record mentions volcanoes?"), max_new_tokens=6)
+        assert g.reused_moved > 100
+        replies[kv_dtype] = g.token_ids
+        engine.close()
+    assert replies[None][:3] == replies["int8"][:3]
