@@ -74,3 +74,13 @@ def test_the_copy_free_greedy_path_picks_what_adjust_and_pick_pick(min_new):
                 assert fast == expected                         # the copy-free path served it
     hot = Sampler(SamplingParams.build(temperature=0.7), torch.device("cpu"))
     assert hot.greedy(cases[0]) is None                          # sampling: never this path
+
+
+def test_argmax_is_torch_argmax_on_ties_nans_infinities_and_views():
+    from kvboost_engine.request.sampling import argmax
+    wide = torch.randn(3, 4096)
+    cases = [torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, float("nan"), 5.0, float("nan")]),
+             torch.full((5,), float("-inf")), torch.tensor([float("inf"), 1.0, float("inf")]),
+             wide[1], wide[:, 7], torch.randn(16, dtype=torch.bfloat16)]
+    for logits in cases:
+        assert argmax(logits) == int(torch.argmax(logits))

@@ -73,9 +73,7 @@ def step_read_bytes(model) -> int:
 
 def kv_bytes_per_token(engine) -> int:
     """Bytes of K and V one token of context holds, every layer (the engine's KV dtype)."""
-    g = engine.adapter.geometry
-    elem = torch.empty((), dtype=g.dtype).element_size()
-    return len(engine.adapter.layers) * 2 * g.kv_heads * g.head_dim * elem
+    return engine.adapter.geometry.bytes_per_token
 
 
 def unshared_bound(weight_bytes: int, kv_bytes: int, rows: int = 8) -> float:

@@ -31,6 +31,9 @@ Instruction-set variants (#29): `--isa avx2,avxvnni` runs our rows once per vari
 KV element type: `--kv-dtype ,float16` runs each of our configurations with the model's KV dtype and
 with float16 KV (EngineConfig.kv_dtype; llama.cpp's KV is f16, its default):
   python -m benchmarks.micro.native_steps --kv-dtype ,float16 --out benchmarks/results/native_steps_kv.json
+int8 KV against llama.cpp's q8_0 KV (the same numbers: int8 per block of 32 with an f16 scale):
+  python -m benchmarks.micro.native_steps --config default:int4,1.7b:q4_0 --kv-dtype float16,int8 \
+      --llama-kv f16,q8_0 --out benchmarks/results/native_steps_int8kv.json
 Smoke: python -m benchmarks.micro.native_steps --smoke
 Results: benchmarks/results/native_steps.json (--out); a table of ours / llama.cpp is printed.
 """
@@ -129,17 +132,18 @@ def llama_bench(path: Path, args, extra: list[str]) -> list[dict]:
     return json.loads(out)
 
 
-def run_llama(model: str, args) -> dict:
+def run_llama(model: str, args, kv: str = "f16") -> dict:
     path = model_file(model, "q4_0")
     row = {"model": model, "config": "q4_0", "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg(),
-           "isa": args.llama_variant or "native build"}
+           "isa": args.llama_variant or "native build", "kv": kv}
+    kv_args = [] if kv == "f16" else ["-ctk", kv, "-ctv", kv, "-fa", "on"]     # a quantized V needs flash attention
     bench = home() / f"llama-tools-{args.llama_variant}" / "bin" / "llama-bench"
     if args.llama_variant and not bench.is_file():         # never start a (long) build from here
         return {**row, "status": f"{bench} missing: run benchmarks/llama_tools.sh --{args.llama_variant} first"}
     started = time.perf_counter()
     try:
-        tests = llama_bench(path, args, ["-p", str(args.prefill_tokens), "-n", "0"])
-        tests += llama_bench(path, args, ["-p", "0", "-n", str(args.decode_tokens), "-d", args.depths])
+        tests = llama_bench(path, args, ["-p", str(args.prefill_tokens), "-n", "0", *kv_args])
+        tests += llama_bench(path, args, ["-p", "0", "-n", str(args.decode_tokens), "-d", args.depths, *kv_args])
     except RuntimeError as error:
         return {**row, "status": str(error)}
     for test in tests:
@@ -158,16 +162,19 @@ def table(rows: list[dict], depths: list[int]) -> str:
     head = ["prefill"] + [f"decode @{d}" for d in depths]
     lines = ["| model | config | side | " + " | ".join(f"{h} tok/s" for h in head) + " | " +
              " | ".join(f"{h} / llama.cpp" for h in head) + " |", "|---" * (3 + 2 * len(keys)) + "|"]
-    llama = {r["model"]: r for r in rows if r["side"] == "llama.cpp" and "status" not in r}
+    llama = {(r["model"], r.get("kv", "f16")): r for r in rows if r["side"] == "llama.cpp" and "status" not in r}
     for r in rows:
         if "status" in r:
             lines.append(f"| {r['model']} | {r['config']} | {r['side']} | {r['status'][:160]} |")
             continue
-        ref = llama.get(r["model"], {}) if r["side"] == "ours" else {}
+        ref = {}
+        if r["side"] == "ours":                  # int8 KV against llama.cpp's q8_0 KV where it ran, else its f16 KV
+            ref = llama.get((r["model"], "q8_0" if r.get("kv_dtype") == "int8" else "f16")) or llama.get((r["model"], "f16"), {})
         speeds = [f"{r[k]:.1f}" if k in r else "-" for k in keys]
         ratios = [f"{r[k] / ref[k]:.2f}x" if k in r and ref.get(k) else "-" for k in keys]
         side = f"{r['side']} ({r.get('native_isa') or r.get('isa')})" if r.get("isa") else r["side"]
-        config = f"{r['config']}, {r['kv_dtype']} KV" if r.get("kv_dtype") else r["config"]
+        kv = r.get("kv_dtype") or r.get("kv")
+        config = f"{r['config']}, {kv} KV" if kv else r["config"]
         lines.append(f"| {r['model']} | {config} | {side} | " + " | ".join(speeds + ratios) + " |")
     return "\n".join(lines)
 
@@ -190,7 +197,9 @@ def main(argv=None) -> None:
     parser.add_argument("--isa", default="", help="comma list of our native step's variants (avx512, avxvnni, "
                         "avx2: KVBOOST_NATIVE_ISA); default: the best this CPU runs")
     parser.add_argument("--kv-dtype", default="", help="comma list of our KV element types (EngineConfig.kv_dtype: "
-                        "float32, float16, bfloat16; empty: the model's dtype); each configuration runs once per type")
+                        "float32, float16, bfloat16, int8; empty: the model's dtype); each configuration runs once per type")
+    parser.add_argument("--llama-kv", default="f16", help="comma list of llama.cpp's KV cache types (llama-bench -ctk / "
+                        "-ctv; q8_0 with -fa on); our int8 KV rows compare with its q8_0 row where there is one")
     parser.add_argument("--llama-variant", default="", help="llama.cpp tools variant (avx2: the AVX2-only build)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -213,8 +222,9 @@ def main(argv=None) -> None:
                         rows.append(run_ours(model, config, args, isa, kv_dtype))
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.side in ("both", "llama"):
-            rows.append(run_llama(model, args))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for kv in args.llama_kv.split(","):
+                rows.append(run_llama(model, args, kv))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "child", "depth_list")}
     settings.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(),
                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), cpu_count=os.cpu_count())
