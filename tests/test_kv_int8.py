@@ -235,3 +235,22 @@ def test_moved_reuse_rotates_int8_keys_as_values(smol):
         replies[kv_dtype] = g.token_ids
         engine.close()
     assert replies[None][:3] == replies["int8"][:3]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["pytorch", "native"])
+def test_concurrent_chats_over_int8_kv_give_the_tokens_each_gives_alone(smol, native):
+    """Chats over one cached system prompt decode together (the PyTorch batch step reads the shared
+    int8 blocks once per layer, the native step shares its attention tasks) with the replies each
+    gives alone over int8 KV."""
+    if native and _CANNOT is not None:
+        pytest.skip(_CANNOT)
+    from test_batching import QUESTIONS, chat, concurrent
+    model, tokenizer = smol
+    alone = Engine(model, tokenizer, kv_dtype="int8", native_decode=native, cache_bytes=0)
+    want = [alone.chat(chat(q), max_new_tokens=10).token_ids for q in QUESTIONS[:4]]
+    alone.close()
+    engine = Engine(model, tokenizer, kv_dtype="int8", native_decode=native)
+    engine.chat(chat(QUESTIONS[0]), max_new_tokens=1)                  # the system prompt is cached
+    gens, batched = concurrent(engine, [(q, {}) for q in QUESTIONS[:4]], max_new_tokens=10)
+    assert batched and [g.token_ids for g in gens] == want
+    engine.close()

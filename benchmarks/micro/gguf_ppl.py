@@ -19,7 +19,7 @@ Run: python -m benchmarks.micro.gguf_ppl --model default --format q4_1,q4_0 [--c
        --mode decode --side both] ; results merged into benchmarks/results/gguf_ppl.json
 KV element type (#29): `--kv-dtype int8` runs ours with EngineConfig.kv_dtype="int8", `--llama-kv q8_0`
 llama-perplexity with `-ctk q8_0 -ctv q8_0 -fa on` (the same numbers: int8 per block of 32, f16 scale):
-  python -m benchmarks.micro.gguf_ppl --model gemma3 --format q4_k_m --kv-dtype int8 --llama-kv q8_0
+  python -m benchmarks.micro.gguf_ppl --model gemma3 --format q4_k_m --weights fp32 --kv-dtype int8 --llama-kv q8_0
 """
 from __future__ import annotations
 
@@ -65,14 +65,15 @@ def llama_perplexity(path: Path, args) -> dict:
             "n_ctx": int(n_ctx), "n_chunk": int(n_chunk), "n_vocab": int(n_vocab), "tokens": tokens}
 
 
-def ours(path: str, tokens: list[int], n_ctx: int, mode: str, threads: int, kv_dtype: str = "") -> dict:
+def ours(path: str, tokens: list[int], n_ctx: int, mode: str, threads: int, kv_dtype: str = "",
+         weights: str = "gguf") -> dict:
     """Our perplexity over llama-perplexity's windows (see the module docstring)."""
     import torch
 
     from kvboost_engine import Engine
     torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(path, weights="gguf", cache_bytes=0,      # as stored, whatever the architecture
-                                    kv_dtype=kv_dtype or None)
+    engine = Engine.from_pretrained(path, weights=weights, cache_bytes=0,     # "gguf": as stored, whatever the
+                                    kv_dtype=kv_dtype or None)                  # architecture; "fp32": dequantized
     bos = engine.tokenizer.bos_token_id
     add_bos = bos is not None and tokens[0] == bos            # llama.cpp tokenized with a leading BOS
     first, nll, count = n_ctx // 2, 0.0, 0
@@ -116,7 +117,7 @@ def _window_logits(engine, window: list[int], first: int, mode: str):
 def measure(model: str, fmt: str, args) -> dict:
     path = model_file(model, fmt)
     row = {"model": model, "format": fmt, "file": str(path), "ctx": args.ctx, "mode": args.mode,
-           "kv_dtype": args.kv_dtype or "model", "llama_kv": args.llama_kv}
+           "kv_dtype": args.kv_dtype or "model", "llama_kv": args.llama_kv, "weights": args.weights}
     try:
         ref = llama_perplexity(path, args)
     except RuntimeError as error:
@@ -129,7 +130,8 @@ def measure(model: str, fmt: str, args) -> dict:
         json.dump(tokens, f)
     try:
         cmd = [sys.executable, "-m", "benchmarks.micro.gguf_ppl", "--child", f.name, "--path", str(path),
-               "--ctx", str(ref["n_ctx"]), "--mode", args.mode, "--threads", str(args.threads), "--kv-dtype", args.kv_dtype]
+               "--ctx", str(ref["n_ctx"]), "--mode", args.mode, "--threads", str(args.threads), "--kv-dtype", args.kv_dtype,
+               "--weights", args.weights]
         done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     finally:
         os.unlink(f.name)
@@ -153,13 +155,15 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-variant", default="")
     parser.add_argument("--kv-dtype", default="", help="our KV element type (EngineConfig.kv_dtype; default: the model's)")
     parser.add_argument("--llama-kv", default="f16", help="llama-perplexity's KV cache type (-ctk / -ctv; f16 or q8_0)")
+    parser.add_argument("--weights", default="gguf", help="ours: the file as stored (gguf) or dequantized to float32 "
+                        "(fp32: models the native step does not run, such as Gemma 3, decode ~100x faster so)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf_ppl.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         tokens = json.loads(Path(args.child).read_text())
-        print(json.dumps(ours(args.path, tokens, args.ctx, args.mode, args.threads, args.kv_dtype)))
+        print(json.dumps(ours(args.path, tokens, args.ctx, args.mode, args.threads, args.kv_dtype, args.weights)))
         return
     rows = []
     for model in args.model.split(","):
@@ -168,7 +172,8 @@ def main(argv=None) -> None:
             rows.append(measure(model, fmt, args))
             print(json.dumps(rows[-1]), file=sys.stderr)
     result = json.loads(args.out.read_text()) if args.out.is_file() else {"benchmark": "gguf_ppl", "rows": []}
-    key = lambda r: (r["model"], r["format"], r["ctx"], r["mode"], r.get("kv_dtype", "model"), r.get("llama_kv", "f16"))
+    key = lambda r: (r["model"], r["format"], r["ctx"], r["mode"], r.get("kv_dtype", "model"), r.get("llama_kv", "f16"),
+                     r.get("weights", "gguf"))
     keys = {key(r) for r in rows}
     result["rows"] = [r for r in result["rows"] if key(r) not in keys] + rows
     result.setdefault("runs", []).append({**{k: v for k, v in vars(args).items() if k not in ("out", "child", "path")},

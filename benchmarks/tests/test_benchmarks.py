@@ -217,3 +217,13 @@ def test_frontier_marks_configurations_nothing_beats_and_tabulates_each_regime()
     assert config_options("cache-order") == {}
     with pytest.raises(ValueError):
         config_options("blend")
+
+
+def test_native_context_table_lists_each_weights_kv_and_context():
+    from benchmarks.micro.native_context import table
+    row = lambda a, b: {"native_ms": a, "pytorch_ms": b, "speedup": round(b / a, 2)}
+    result = {"contexts": [500, 4000], "runs": {"int4, int8 KV": {"500": row(5.0, 250.0), "4000": row(8.0, 260.0)},
+                                               "fp32, float32 KV": {"500": row(25.0, 75.0), "4000": row(35.0, 90.0)}}}
+    lines = table(result).splitlines()
+    assert "500 tokens" in lines[0] and "4000 tokens" in lines[0] and len(lines) == 4
+    assert lines[2] == "| int4, int8 KV | 5.0 / 250.0 (50.0x) | 8.0 / 260.0 (32.5x) |"
