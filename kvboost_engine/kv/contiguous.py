@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .element import load, store
+from .element import load, store, value_dtype
 from .geometry import KVGeometry
 
 
@@ -42,7 +42,7 @@ class SequenceKV:
 
     def gather(self, layer: int, positions: torch.Tensor):
         """K and V at `positions` as values (int8 rows decoded): `[1, kv_heads, n, head_dim]` each."""
-        dtype = torch.float32 if self.data.dtype == torch.int8 else self.data.dtype
+        dtype = value_dtype(self.data.dtype)
         return tuple(load(self.data[i, layer, :, :, positions], dtype) for i in (0, 1))
 
     def slot_view(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,11 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + head_dim // INT8_BLOCK * 2 if dtype == torch.int8 else head_dim
 
 
+def value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The float type rows stored as `dtype` are read back in where no other is asked (int8: float32)."""
+    return torch.float32 if dtype == torch.int8 else dtype
+
+
 def unsupported(head_dim: int, dtype: torch.dtype) -> str | None:
     """Why rows of head_dim values cannot be stored as `dtype` (None: they can)."""
     if dtype == torch.int8 and head_dim % INT8_BLOCK:

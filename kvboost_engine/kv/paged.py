@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .element import load, store
+from .element import load, store, value_dtype
 from .pool import BlockPool
 
 
@@ -130,7 +130,7 @@ class PagedSequence:
 
     def gather(self, layer: int, positions: torch.Tensor):
         """K and V at `positions` as values (int8 rows decoded): `[1, kv_heads, n, head_dim]` each."""
-        dtype = torch.float32 if self.pool.ram.dtype == torch.int8 else self.pool.ram.dtype
+        dtype = value_dtype(self.pool.ram.dtype)
         if not self._scatter_ok():
             kv = self.pool.read(self.table, 0, int(positions.max()) + 1)[:, layer][:, :, positions]
             return load(kv[0][None], dtype), load(kv[1][None], dtype)
