@@ -45,8 +45,10 @@ def test_pytorch_path_keeps_kv_rounded(dtype, kv_factory):
     assert ((a - b).norm() / a.norm()) < (0.01 if dtype == torch.float16 else 0.05)
 
 
-def _native_vs_pytorch(weights, dtype, kv_factory, tmp_path, steps=8):
-    model = make(weights, "llama", {}, tmp_path)
+def run_both(weights, dtype, kv_factory, tmp_path, steps=8, overrides=None):
+    """The PROMPT prefilled, then `steps` decode steps, through the PyTorch path and the native step
+    over KV of `dtype`: ([(PyTorch logits, native logits)], PyTorch's KV, the native step's KV, layers)."""
+    model = make(weights, "llama", overrides or {}, tmp_path)
     adapter = ModelAdapter(model, dtype)
     forward = Forward(adapter)
     decoder, reason = native_decoder(adapter, threads=2)
@@ -57,8 +59,13 @@ def _native_vs_pytorch(weights, dtype, kv_factory, tmp_path, steps=8):
         for n, token in enumerate(PROMPT[:steps]):
             position = len(PROMPT) + n
             pairs.append((forward(kv_torch, [token], position), decoder(kv_native, token, position)))
+    return pairs, kv_torch, kv_native, len(adapter.layers)
+
+
+def _native_vs_pytorch(weights, dtype, kv_factory, tmp_path, steps=8):
+    pairs, kv_torch, kv_native, layers = run_both(weights, dtype, kv_factory, tmp_path, steps)
     positions = torch.arange(len(PROMPT) + steps)
-    kv = [(a, b) for layer in range(len(model.model.layers))
+    kv = [(a, b) for layer in range(layers)
           for a, b in zip(kv_torch.gather(layer, positions), kv_native.gather(layer, positions))]
     return pairs, kv
 

@@ -11,15 +11,14 @@ from kvboost_engine import Engine, InputError
 from kvboost_engine.config import EngineConfig
 from kvboost_engine.kv.element import INT8_BLOCK, load, row_width, store
 from kvboost_engine.kv.paged import PagedSequence
-from kvboost_engine.kv.pool import BlockPool
 from kvboost_engine.model.arch import ModelAdapter
-from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder
 from test_engine_exact import replay
+from test_kv_dtype import run_both
 from test_moved_reuse import as_parts
 from test_native_decode import PROMPT, _contiguous, _paged
-from test_native_rows import make
+from test_native_rows import SHARED_PROMPT, make, shared_prefix_sequences
 
 _CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler")
 needs_cpu = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
@@ -69,17 +68,7 @@ def test_int8_kv_needs_a_head_dim_of_whole_blocks_and_no_second_disk_quantizatio
 
 # ---- the PyTorch path and the native step ----------------------------------------------------
 def _native_vs_pytorch(weights, heads, kv_factory, tmp_path, steps=6):
-    model = make(weights, "llama", HEADS[heads], tmp_path)
-    adapter = ModelAdapter(model, I8)
-    forward = Forward(adapter)
-    decoder, reason = native_decoder(adapter, threads=2)
-    assert decoder is not None, reason
-    kv_torch, kv_native = kv_factory(adapter), kv_factory(adapter)
-    with torch.inference_mode():
-        pairs = [(forward(kv_torch, PROMPT, 0), decoder.prefill(kv_native, PROMPT, 0))]
-        for n, token in enumerate(PROMPT[:steps]):
-            position = len(PROMPT) + n
-            pairs.append((forward(kv_torch, [token], position), decoder(kv_native, token, position)))
+    pairs, kv_torch, kv_native, _ = run_both(weights, I8, kv_factory, tmp_path, steps, HEADS[heads])
     end = len(PROMPT) + steps
     return pairs, [_rows(kv, end) for kv in (kv_torch, kv_native)]
 
@@ -138,24 +127,13 @@ def test_batched_rows_over_int8_kv_match_serial_steps(tmp_path, weights, isa, mo
     adapter = ModelAdapter(model, I8)
     decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
-    shared = [(7 * i + 3) % 900 + 5 for i in range(300)]
     tails = [[11, 12], [13, 14], [15], [16, 17, 18], [11, 12]]
 
     def sequences():
-        pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
-        base = PagedSequence(pool, 320)
-        base.reserve()
-        decoder.prefill(base, shared, 0)
-        out = []
-        for tail in tails:
-            seq = PagedSequence(pool, 320)
-            seq.map_shared(base.cache_blocks(0, 300))
-            seq.reserve()
-            decoder.prefill(seq, tail, 300)
-            out.append(seq)
-        alone = PagedSequence(pool, 320)                        # nothing shared
+        out = shared_prefix_sequences(adapter, decoder, SHARED_PROMPT, tails)
+        alone = PagedSequence(out[0].pool, 320)                 # nothing shared
         alone.reserve()
-        decoder.prefill(alone, shared[:40], 0)
+        decoder.prefill(alone, SHARED_PROMPT[:40], 0)
         return out + [alone]
 
     with torch.inference_mode():

@@ -39,6 +39,28 @@ def _kv_state(kv, adapter, end):
     return [t.clone() for layer in range(len(adapter.layers)) for t in kv.gather(layer, positions)]
 
 
+SHARED_PROMPT = [(7 * i + 3) % 900 + 5 for i in range(300)]      # a whole key block of 256 and part of the next
+
+
+def shared_prefix_sequences(adapter, decoder, shared: list[int], tails: list[list[int]]) -> list:
+    """Paged sequences over one pool, each mapping the cached blocks of `shared` (prefilled once) and
+    then its own tail (prefilled), as chats over one cached system prompt are."""
+    from kvboost_engine.kv.paged import PagedSequence
+    from kvboost_engine.kv.pool import BlockPool
+    pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
+    base = PagedSequence(pool, len(shared) + 20)
+    base.reserve()
+    decoder.prefill(base, shared, 0)
+    out = []
+    for tail in tails:
+        seq = PagedSequence(pool, len(shared) + 20)
+        seq.map_shared(base.cache_blocks(0, len(shared)))
+        seq.reserve()
+        decoder.prefill(seq, tail, len(shared))
+        out.append(seq)
+    return out
+
+
 @pytest.mark.parametrize("weights", ["float", "int4", "packed"])
 @pytest.mark.parametrize("model_type,overrides", ARCHS, ids=ARCH_IDS)
 @pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
@@ -123,31 +145,13 @@ def test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, mo
     """Sequences mapping the same cached blocks (a shared prompt of 300 tokens: a whole key block of
     256 and part of the next) read those keys once in one attention task for all their rows; each row's
     logits and KV stay bit-identical to its own step, including rows at the same and at other positions."""
-    from kvboost_engine.kv.paged import PagedSequence
-    from kvboost_engine.kv.pool import BlockPool
     model = make(weights, model_type, overrides, tmp_path)
     adapter = ModelAdapter(model)
     decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
-    shared = [(7 * i + 3) % 900 + 5 for i in range(300)]
     tails = [[11, 12], [13, 14], [15], [16, 17, 18], [11, 12]]          # the first and last: same tokens
-
-    def sequences():
-        pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
-        base = PagedSequence(pool, 320)
-        base.reserve()
-        decoder.prefill(base, shared, 0)
-        out = []
-        for tail in tails:
-            seq = PagedSequence(pool, 320)
-            seq.map_shared(base.cache_blocks(0, 300))
-            seq.reserve()
-            decoder.prefill(seq, tail, 300)
-            out.append(seq)
-        return out
-
     with torch.inference_mode():
-        serial, batch = sequences(), sequences()
+        serial, batch = (shared_prefix_sequences(adapter, decoder, SHARED_PROMPT, tails) for _ in range(2))
         positions = [300 + len(t) for t in tails]
         for step in range(3):
             tokens = [20 + i + step for i in range(len(tails))]

@@ -21,11 +21,9 @@ Smoke: python -m benchmarks.micro.native_context --smoke
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -34,7 +32,7 @@ from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native.decoder import native_decoder
 
-from .._common import environment
+from .._common import environment, save_result
 from .native_rows import load
 
 
@@ -118,9 +116,7 @@ def main(argv=None) -> None:
     result["environment"]["model"] = "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)"
     print(table(result))
     if not args.smoke:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+        print("wrote", save_result(result, args.out, "native_context"))
 
 
 if __name__ == "__main__":
