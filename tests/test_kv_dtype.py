@@ -136,23 +136,27 @@ def test_multi_turn_reuse_is_token_exact_with_float16_kv(smol, native, native_pr
             assert gw.reused_tokens > 0
 
 
-def test_kv_dtype_is_reported_halves_kv_and_keeps_disk_entries_apart(smol, tmp_path):
-    """stats() names the KV dtype; a token's KV takes half the bytes; the disk tier serves float16
-    entries to a float16 engine after a restart, never to a float32 one."""
+@pytest.mark.parametrize("kv_dtype, bytes_of_64", [("float16", 128), ("int8", 68)])
+def test_kv_dtype_is_reported_shrinks_kv_and_keeps_disk_entries_apart(smol, tmp_path, kv_dtype, bytes_of_64):
+    """stats() names the KV dtype; a row of 64 values takes 128 bytes in float16, 68 in int8 (its codes
+    and two float16 scales) against float32's 256, and the same kv_pool_bytes hold as many more tokens;
+    the disk tier serves the stored rows to an engine of the same KV dtype after a restart, never to a
+    float32 one."""
     model, tokenizer = smol
     messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
                 {"role": "user", "content": "Name a colour."}]
-    kw = dict(cache_bytes=64 << 20, disk_cache_dir=str(tmp_path), native_decode=False)
-    first = Engine(model, tokenizer, kv_dtype="float16", **kw)
-    assert first.stats()["kv_dtype"] == "float16"
+    kw = dict(cache_bytes=64 << 20, kv_pool_bytes=128 << 20, disk_cache_dir=str(tmp_path), native_decode=False)
+    first = Engine(model, tokenizer, kv_dtype=kv_dtype, **kw)
+    assert first.stats()["kv_dtype"] == kv_dtype
     wide = Engine(model, tokenizer, **kw)
     assert wide.stats()["kv_dtype"] == "float32"
     assert first.fingerprint != wide.fingerprint
-    assert first.adapter.geometry.bytes_per_token * 2 == wide.adapter.geometry.bytes_per_token
+    assert first.adapter.geometry.bytes_per_token * 256 == wide.adapter.geometry.bytes_per_token * bytes_of_64
+    assert first.stats()["pool_ram_blocks"] == wide.stats()["pool_ram_blocks"] * 256 // bytes_of_64
     want = first.chat(messages, max_new_tokens=8)
     first.close()
     wide.close()
-    again = Engine(model, tokenizer, kv_dtype="float16", **kw)
+    again = Engine(model, tokenizer, kv_dtype=kv_dtype, **kw)
     got = again.chat(messages, max_new_tokens=8)
     assert got.token_ids == want.token_ids and got.reused_tokens > 0 and again.stats()["disk_hits"] > 0
     again.close()

@@ -1,7 +1,8 @@
 """KV kept in int8 (EngineConfig.kv_dtype="int8"): rows of int8 codes per block of 32 with a float16
 scale each (kv/element.py); the native step (each instruction-set variant) reads and writes them as the
-PyTorch path does; batched rows stay bit-identical to serial steps; exact reuse stays token-exact; the
-disk tier, moved reuse and the byte budgets see the stored rows; bad settings are an error."""
+PyTorch path does; batched rows stay bit-identical to serial steps; exact reuse stays token-exact;
+moved reuse rotates the stored keys; bad settings are an error. (Sizes, budgets and the disk tier:
+test_kv_dtype.py, for every KV dtype.)"""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,7 @@ from test_engine_exact import replay
 from test_kv_dtype import run_both
 from test_moved_reuse import as_parts
 from test_native_decode import PROMPT, _contiguous, _paged
-from test_native_rows import SHARED_PROMPT, make, shared_prefix_sequences
+from test_native_rows import SHARED_PROMPT, assert_rows_match_steps, make, shared_prefix_sequences
 
 _CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler")
 needs_cpu = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
@@ -139,12 +140,7 @@ def test_batched_rows_over_int8_kv_match_serial_steps(tmp_path, weights, isa, mo
     with torch.inference_mode():
         serial, batch = sequences(), sequences()
         positions = [300 + len(t) for t in tails] + [40]
-        for step in range(3):
-            tokens = [20 + i + step for i in range(len(positions))]
-            want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
-            got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
-            for w, g in zip(want, got):
-                assert torch.equal(w, g)
+        assert_rows_match_steps(decoder, serial, batch, positions)
     for a, b, p in zip(serial, batch, positions):
         assert torch.equal(_rows(a, p + 3), _rows(b, p + 3))
 
@@ -173,31 +169,6 @@ def test_multi_turn_reuse_is_token_exact_with_int8_kv(smol, native):
         assert torch.equal(lw, lc) if native else float((lw - lc).norm() / lc.norm()) < 0.02, turn
         if turn >= 2:
             assert gw.reused_tokens > 0
-
-
-def test_int8_kv_is_reported_takes_17_64ths_and_keeps_disk_entries_apart(smol, tmp_path):
-    """stats() names int8; a token's KV takes 68 bytes a row of 64 values (17/64 of float32's); the disk
-    tier serves int8 entries to an int8 engine after a restart (the stored rows as they are), never to
-    a float32 one; the pool budget counts stored bytes."""
-    model, tokenizer = smol
-    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
-                {"role": "user", "content": "Name a colour."}]
-    kw = dict(cache_bytes=64 << 20, kv_pool_bytes=128 << 20, disk_cache_dir=str(tmp_path), native_decode=False)
-    first = Engine(model, tokenizer, kv_dtype="int8", **kw)
-    wide = Engine(model, tokenizer, **kw)
-    assert first.stats()["kv_dtype"] == "int8" and first.fingerprint != wide.fingerprint
-    assert first.adapter.geometry.bytes_per_token * 256 == wide.adapter.geometry.bytes_per_token * 68
-    assert first.stats()["pool_ram_blocks"] == wide.stats()["pool_ram_blocks"] * 256 // 68    # the same bytes, 3.76x the tokens
-    want = first.chat(messages, max_new_tokens=8)
-    first.close()
-    wide.close()
-    again = Engine(model, tokenizer, kv_dtype="int8", **kw)
-    got = again.chat(messages, max_new_tokens=8)
-    assert got.token_ids == want.token_ids and got.reused_tokens > 0 and again.stats()["disk_hits"] > 0
-    again.close()
-    other = Engine(model, tokenizer, **kw)
-    assert other.chat(messages, max_new_tokens=8).reused_tokens == 0
-    other.close()
 
 
 def test_moved_reuse_rotates_int8_keys_as_values(smol):

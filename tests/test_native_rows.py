@@ -61,6 +61,17 @@ def shared_prefix_sequences(adapter, decoder, shared: list[int], tails: list[lis
     return out
 
 
+def assert_rows_match_steps(decoder, serial: list, batch: list, positions: list[int], steps: int = 3) -> None:
+    """`steps` tokens for each sequence: one step of its own over `serial`, one step of all rows over
+    `batch` (the same sequences built again); the logits bit for bit."""
+    for step in range(steps):
+        tokens = [20 + i + step for i in range(len(positions))]
+        want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
+        got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
+
+
 @pytest.mark.parametrize("weights", ["float", "int4", "packed"])
 @pytest.mark.parametrize("model_type,overrides", ARCHS, ids=ARCH_IDS)
 @pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
@@ -153,12 +164,7 @@ def test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, mo
     with torch.inference_mode():
         serial, batch = (shared_prefix_sequences(adapter, decoder, SHARED_PROMPT, tails) for _ in range(2))
         positions = [300 + len(t) for t in tails]
-        for step in range(3):
-            tokens = [20 + i + step for i in range(len(tails))]
-            want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
-            got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
-            for w, g in zip(want, got):
-                assert torch.equal(w, g)
+        assert_rows_match_steps(decoder, serial, batch, positions)
     for a, b, p in zip(serial, batch, positions):
         assert all(torch.equal(x, y) for x, y in zip(_kv_state(a, adapter, p + 3), _kv_state(b, adapter, p + 3)))
 
