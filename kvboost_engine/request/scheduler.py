@@ -42,13 +42,18 @@ log = logging.getLogger(__name__)
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+_THREADS: weakref.WeakSet = weakref.WeakSet()      # scheduler threads not yet ended
 
 
 @atexit.register
 def _close_all() -> None:
-    """At interpreter exit, stop every scheduler between two steps (not inside a forward)."""
+    """At interpreter exit, stop every scheduler between two steps (not inside a forward), then wait for
+    its threads to end: an idle one may still be freeing the engine it held last, and a tensor freed by
+    a daemon thread after finalization aborts the process ("terminate called without an active exception")."""
     for scheduler in list(_LIVE):
         scheduler.close()
+    for thread in [t for t in _THREADS if t is not threading.current_thread()]:
+        thread.join(timeout=60)
 
 
 class Scheduler:
@@ -121,8 +126,8 @@ class Scheduler:
     def _start_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
+            _THREADS.add(self._thread)
             self._thread.start()
-
 
     # ---- the loop -----------------------------------------------------------------------
     def _loop(self) -> None:
