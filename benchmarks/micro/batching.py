@@ -284,7 +284,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf", help="also this GGUF file as stored (weights 'gguf'); llama runs on it")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench -t")
     parser.add_argument("--kv-dtype", default="", help="our engines' KV element type (EngineConfig.kv_dtype: "
-                        "float32, float16, bfloat16; default: the model's dtype)")
+                        "float32, float16, bfloat16, int8; default: the model's dtype)")
     parser.add_argument("--out", default="benchmarks/results/batching.json")
     parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt; "
                         "llama-batched-bench on 16 prompt tokens and 4 new")

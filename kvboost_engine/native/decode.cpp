@@ -141,10 +141,13 @@ inline vf vsum_lanes(const vf* p) {
 inline vf opaque(vf v) { asm("" : "+v"(v)); return v; }
 // The same tree as vsum_lanes with the roles turned: lane j of p[l] is lane l of key j's vector, so
 // lane j of the result is vsum_lanes' lane j for key j, bit for bit (vertical adds only)
+// (vsum_quad of each group of 4 lanes, then vsum_groups of the 4 groups' sums)
+inline vf vsum_quad(vf p0, vf p1, vf p2, vf p3) { return _mm512_add_ps(_mm512_add_ps(p0, p2), _mm512_add_ps(p1, p3)); }
+inline vf vsum_groups(const vf* s) { return _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])); }
 inline vf vsum_across(const vf* p) {
   vf s[4];
-  for (int g = 0; g < 4; ++g) s[g] = _mm512_add_ps(_mm512_add_ps(p[4 * g], p[4 * g + 2]), _mm512_add_ps(p[4 * g + 1], p[4 * g + 3]));
-  return _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
+  for (int g = 0; g < 4; ++g) s[g] = vsum_quad(p[4 * g], p[4 * g + 1], p[4 * g + 2], p[4 * g + 3]);
+  return vsum_groups(s);
 }
 // r[i] lane j -> r[j] lane i (a 16 x 16 block of floats turned over, in registers)
 inline void transpose(vf* r) {
@@ -272,10 +275,12 @@ inline vf vsum_lanes(const vf* p) {
 inline vf opaque(vf v) { asm("" : "+x"(v)); return v; }    // see the AVX-512 one
 inline unsigned vgt_mask(vf a, vf b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ))); }
 // The same tree as vsum_lanes with the roles turned (see the AVX-512 one)
+inline vf vsum_quad(vf p0, vf p1, vf p2, vf p3) { return _mm256_add_ps(_mm256_add_ps(p0, p2), _mm256_add_ps(p1, p3)); }
+inline vf vsum_groups(const vf* s) { return _mm256_add_ps(s[0], s[1]); }
 inline vf vsum_across(const vf* p) {
   vf s[2];
-  for (int g = 0; g < 2; ++g) s[g] = _mm256_add_ps(_mm256_add_ps(p[4 * g], p[4 * g + 2]), _mm256_add_ps(p[4 * g + 1], p[4 * g + 3]));
-  return _mm256_add_ps(s[0], s[1]);
+  for (int g = 0; g < 2; ++g) s[g] = vsum_quad(p[4 * g], p[4 * g + 1], p[4 * g + 2], p[4 * g + 3]);
+  return vsum_groups(s);
 }
 // r[i] lane j -> r[j] lane i (8 x 8, in registers)
 inline void transpose(vf* r) {
@@ -913,24 +918,49 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
       transpose(t);
       for (int l = 0; l < VW; ++l) vstore(kt + (c * VW + l) * VW, t[l]);
     }
+    // Pass b takes LB lanes' key columns into registers and adds their chains as vsum_across' tree
+    // does, so less goes through ps: LB 4, lanes 4b .. 4b + 3 (a group: vsum_quad); LB 2, lanes
+    // 4 (b / 2) + b % 2 and 2 on (a group's first adds); LB 1, lane b (each chain stored).
     constexpr int LB = D * 4 <= REGISTERS / 2 ? 4 : D * 2 <= REGISTERS / 2 ? 2 : 1;
-    for (int l0 = 0; l0 < VW; l0 += LB) {
+    constexpr int PASSES = VW / LB;
+    for (int b = 0; b < PASSES; ++b) {
+      int lane[LB];
+      for (int l = 0; l < LB; ++l) lane[l] = LB == 4 ? 4 * b + l : LB == 2 ? 4 * (b / 2) + b % 2 + 2 * l : b;
       vf kr[LB][D];
       for (int l = 0; l < LB; ++l)
-        for (int c = 0; c < D; ++c) kr[l][c] = vload(kt + (c * VW + l0 + l) * VW);
+        for (int c = 0; c < D; ++c) kr[l][c] = vload(kt + (c * VW + lane[l]) * VW);
       for (int rh = 0; rh < R * H; ++rh) {
-        const float* qh = q[rh / H] + (rh % H) * head_dim + l0;
+        const float* qh = q[rh / H] + (rh % H) * head_dim;
+        vf ch[LB];
         for (int l = 0; l < LB; ++l) {
-          vf s = vmul(vset1(qh[l]), kr[l][0]);
-          for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + l]), kr[l][c], s);
-          vstore(ps + (rh * VW + l0 + l) * VW, opaque(s));   // a bare product (D = 1) stays rounded
+          vf s = vmul(vset1(qh[lane[l]]), kr[l][0]);
+          for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + lane[l]]), kr[l][c], s);
+          ch[l] = opaque(s);                   // a bare product (D = 1) stays rounded
         }
+        vf out;
+        if constexpr (LB == 4) out = vsum_quad(ch[0], ch[1], ch[2], ch[3]);
+        else if constexpr (LB == 2) out = vadd(ch[0], ch[1]);
+        else out = ch[0];
+        vstore(ps + (rh * PASSES + b) * VW, out);
       }
     }
     for (int rh = 0; rh < R * H; ++rh) {
-      vf p[VW];
-      for (int l = 0; l < VW; ++l) p[l] = vload(ps + (rh * VW + l) * VW);
-      const vf s = vmul(vsum_across(p), vset1(scaling));
+      const float* pr = ps + rh * PASSES * VW;
+      vf total;
+      if constexpr (LB == 4) {
+        vf g[VW / 4];
+        for (int i = 0; i < VW / 4; ++i) g[i] = vload(pr + i * VW);
+        total = vsum_groups(g);
+      } else if constexpr (LB == 2) {
+        vf g[VW / 4];
+        for (int i = 0; i < VW / 4; ++i) g[i] = vadd(vload(pr + 2 * i * VW), vload(pr + (2 * i + 1) * VW));
+        total = vsum_groups(g);
+      } else {
+        vf p[VW];
+        for (int l = 0; l < VW; ++l) p[l] = vload(pr + l * VW);
+        total = vsum_across(p);
+      }
+      const vf s = vmul(total, vset1(scaling));
       float* row = sc + rh * KEY_BLOCK + i;
       if (cnt == VW) vstore(row, s);
       else vstore_n(row, s, cnt);
