@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import ContextWindowError, InputError, RequestTimeoutError
@@ -73,20 +74,48 @@ def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto
                                       chunk_kinds=kinds if indexed else None)
 
 
+_held = threading.local()           # .messages: a list while this thread holds its channels' messages
+
+
+@contextmanager
+def messages_after():
+    """Within, the calling thread's Channel messages are held and then put, in order, on exit (also
+    on an error): the scheduler hands a step's deltas over at the step's end. A caller woken mid-step
+    contends with the step's own sampling for the cores and the GIL: the 8 argmaxes of a batched
+    int4 step took 0.40 ms with each delta put as made, 0.13 ms held (a probe on Zen 4, 2 cores)."""
+    if getattr(_held, "messages", None) is not None:          # nested: the outer one puts them
+        yield
+        return
+    _held.messages = []
+    try:
+        yield
+    finally:
+        messages, _held.messages = _held.messages, None
+        for target, message in messages:
+            target.put(message)
+
+
 class Channel:
     """Deltas, then the Generation (or an error), from the scheduler thread to the caller."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
+    def _put(self, message: tuple) -> None:
+        held = getattr(_held, "messages", None)
+        if held is None:
+            self._queue.put(message)
+        else:
+            held.append((self._queue, message))
+
     def delta(self, text: str) -> None:
-        self._queue.put(("delta", text))
+        self._put(("delta", text))
 
     def done(self, gen: Generation) -> None:
-        self._queue.put(("done", gen))
+        self._put(("done", gen))
 
     def error(self, err: BaseException) -> None:
-        self._queue.put(("error", err))
+        self._put(("error", err))
 
     def events(self, deadline: float | None = None) -> Generator[str, None, Generation]:
         """The caller's side: text deltas; returns the Generation. Past `deadline` (perf_counter

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import BudgetError, KVBoostError, QueueFullError
 from .admission import check_fits_alone, continues_a_prefill
-from .decode import Decoding, EngineParts, Request
+from .decode import Decoding, EngineParts, Request, messages_after
 from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
     refuse as _refuse, run_task as _run_task
 from .openmp import release_thread_pool
@@ -39,7 +39,6 @@ from .plan import Prefilling, plan_step
 from .prefill import Assembled, assemble, prefilled, repair
 
 log = logging.getLogger(__name__)
-
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 _THREADS: weakref.WeakSet = weakref.WeakSet()      # scheduler threads not yet ended
@@ -150,7 +149,8 @@ class Scheduler:
             for fn, future in tasks:
                 _run_task(fn, future)
             try:
-                self._step()
+                with messages_after():          # the step's deltas handed over at its end
+                    self._step()
             except BaseException as err:  # noqa: BLE001 - not pinned on one request: end the admitted ones
                 log.exception("kvboost scheduler step failed; its running requests get the error")
                 self._fail_admitted(_internal(err))
