@@ -13,7 +13,8 @@ from kvboost_engine.kv.pool import BlockPool
 from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
-from kvboost_engine.native.decoder import native_decoder, pack_codes, unsupported_reason
+from kvboost_engine.native.decoder import native_decoder, unsupported_reason
+from kvboost_engine.weights.packed import pack_codes
 from kvboost_engine.weights.quantized import convert_model
 from tiny_models import tiny_model
 from together import serial_and_together

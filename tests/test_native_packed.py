@@ -178,20 +178,46 @@ def test_a_derived_m_gives_the_numbers_of_the_stored_m():
 def test_int4_layers_give_the_numbers_of_a_float32_offset(tmp_path, monkeypatch):
     """weights="int4": the step reads the bf16 zeros and computes code 0's value zero - 8 * scale (and
     the int8 head's -128 * scale): bit for bit the step over the float32 offsets stored."""
-    from kvboost_engine.native import decoder as native
+    from kvboost_engine.native import decoder as native, matrices
     from test_native_decode import int4_model
 
     model = int4_model("llama", tmp_path)
     derived = _native_logits(model)
 
     def stored_offsets(modules, bits):
-        parts = [native._int4_parts(m) if bits == 4 else native._int8_parts(m) for m in modules]
+        parts = [matrices._int4_parts(m) if bits == 4 else matrices._int8_parts(m) for m in modules]
         codes, scale = (torch.cat([p[i] for p in parts]) for i in range(2))
         offset = (torch.cat([p[2] for p in parts]).float() - 8 * scale.float()) if bits == 4 else -128 * scale.float()
         packed = pack_codes(codes, scale, offset, bits)
         packed["dims"] = (sum(m.out_features for m in modules), modules[0].in_features, bits)
         return packed
 
-    monkeypatch.setattr(native, "_joined", stored_offsets)
+    monkeypatch.setattr(native, "joined", stored_offsets)
     stored = _native_logits(model)
     assert all(torch.equal(a, b) for a, b in zip(derived, stored))
+
+
+@needs_cpu
+@pytest.mark.parametrize("head,zero_code,native", [((8, F16, F16), None, True), ((4, BF16, F32), None, True),
+                                                   ((4, F16, F16), 8, True), ((8, F32, F32), None, False)],
+                         ids=["q8_0", "bf16-d", "derived-m", "f32-d"])
+def test_a_tied_packed_embedding_is_decoded_natively_with_its_numbers(head, zero_code, native):
+    """Where the embedding is the packed head's table (a tied GGUF or weights="int4"), the native side
+    decodes the step's embeddings: the numbers PackedEmbedding gives; float32 d: the model's lookup."""
+    from kvboost_engine.weights.packed import PackedEmbedding
+    model = packed_model("llama", [Q4_1], head)
+    if zero_code:                                   # m == -zero_code * d: the native side derives m
+        h = model.lm_head
+        model.lm_head = PackedLinear(h.codes, h.d, (-zero_code * h.d.float()).to(h.m.dtype), h.bits,
+                                     h.out_features, h.in_features, zero_code=zero_code)
+    model.model.embed_tokens = PackedEmbedding(model.lm_head)
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    assert decoder._embed_native is native
+    ids = [0, 1, 15, 16, 17, model.lm_head.out_features - 1]
+    with torch.inference_mode():
+        assert torch.equal(decoder._embed(ids), adapter.embed(torch.tensor([ids]))[0].float())
+        if native:                                  # an id past the table: refused natively, the lookup's own error
+            with pytest.raises(IndexError):
+                decoder._embed([model.lm_head.out_features])

@@ -618,6 +618,15 @@ void gemm_f32(const QMat& w, const Acts& a, int M, float* y, int y_stride, int n
   for (; n < n1; ++n) f32_weight_block<1>(w, a, M, y, y_stride, n);
 }
 
+// The code of row r, column c of a (tile, block) of a 4- or 8-bit W (wp: its 256 or 512 bytes).
+inline int code_at(const QMat& w, const uint8_t* wp, int r, int c) {
+  if (w.bits == 4) {
+    const uint8_t byte = wp[(c / 8) * 64 + r * 4 + (c % 8) % 4];
+    return c % 8 < 4 ? (byte & 15) : (byte >> 4);
+  }
+  return wp[(c / 4) * 64 + r * 4 + c % 4];
+}
+
 // Row n of W decoded to floats, dotted with float x (the exact recomputation of the best logits).
 float exact_row(const QMat& w, int n, const float* x) {
   const int blocks = w.cols / BLOCK, t = n / TILE, r = n % TILE;
@@ -627,19 +636,32 @@ float exact_row(const QMat& w, int n, const float* x) {
     const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
     float d = scale_at(w.d, w.d_type, (static_cast<size_t>(t) * blocks + b) * TILE + r);
     float m = scale_at(w.m, w.m_type, (static_cast<size_t>(t) * blocks + b) * TILE + r) - w.zero * d;
-    for (int c = 0; c < BLOCK; ++c) {
-      int code;
-      if (w.bits == 4) {
-        int j = c / 8, i = c % 8;
-        uint8_t byte = wp[j * 64 + r * 4 + (i % 4)];
-        code = i < 4 ? (byte & 15) : (byte >> 4);
-      } else {
-        code = wp[(c / 4) * 64 + r * 4 + c % 4];
-      }
-      total += static_cast<double>(static_cast<float>(code) * d + m) * x[b * BLOCK + c];
-    }
+    for (int c = 0; c < BLOCK; ++c)
+      total += static_cast<double>(static_cast<float>(code_at(w, wp, r, c)) * d + m) * x[b * BLOCK + c];
   }
   return static_cast<float>(total + (w.bias ? w.bias[n] : 0.f));
+}
+
+// Rows ids[0 .. M) of a 4- or 8-bit W decoded to floats into x [M, cols]: code * d + (m - zero * d),
+// as weights/packed.py's PackedEmbedding decodes them (the input embedding of a model whose packed
+// head is its embedding table). With d in bf16 / fp16 the product code * d is exact in float32, so
+// the one rounding is the sum's, contracted into an FMA or not; the caller refuses float32 d.
+void decode_rows_of(const QMat& w, const int64_t* ids, int M, float* x) {
+  const int blocks = w.cols / BLOCK;
+  const size_t block_bytes = w.bits == 4 ? 256 : 512;
+  for (int i = 0; i < M; ++i) {
+    const int64_t n = ids[i];
+    const int64_t t = n / TILE;
+    const int r = static_cast<int>(n % TILE);
+    float* out = x + static_cast<size_t>(i) * w.cols;
+    for (int b = 0; b < blocks; ++b) {
+      const size_t tb = static_cast<size_t>(t) * blocks + b;
+      const uint8_t* wp = w.codes + tb * block_bytes;
+      const float d = scale_at(w.d, w.d_type, tb * TILE + r);
+      const float m = scale_at(w.m, w.m_type, tb * TILE + r) - w.zero * d;
+      for (int c = 0; c < BLOCK; ++c) out[b * BLOCK + c] = static_cast<float>(code_at(w, wp, r, c)) * d + m;
+    }
+  }
 }
 
 void rms_norm(const float* x, const float* weight, int n, float eps, float* out) {
@@ -1583,7 +1605,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 9; }
+int kvb_abi_version() { return 10; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }
@@ -1634,6 +1656,18 @@ void* kvb_decoder_new(const ModelArgs* args) {
 // sequence's prompt chunk share them): x [M, hidden] their embeddings; logits [wanted rows, vocab].
 void kvb_decoder_rows(void* handle, int M, const float* x, const void* rows, float* logits) {
   static_cast<Decoder*>(handle)->step(M, x, static_cast<const Row*>(rows), logits);
+}
+
+// The embeddings of tokens ids[0 .. M) decoded from the packed head (a model whose input embedding
+// is its head's table) into x [M, hidden]; 0, or -1 where the head is float or its d float32 (then
+// the caller looks them up itself).
+int kvb_decoder_embed(void* handle, int M, const int64_t* ids, float* x) {
+  const QMat& head = static_cast<Decoder*>(handle)->head;
+  if (head.bits == 32 || head.d_type == S_F32) return -1;
+  for (int i = 0; i < M; ++i)
+    if (ids[i] < 0 || ids[i] >= head.rows) return -1;
+  decode_rows_of(head, ids, M, x);
+  return 0;
 }
 
 void kvb_decoder_free(void* handle) { delete static_cast<Decoder*>(handle); }

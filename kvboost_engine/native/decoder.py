@@ -37,9 +37,8 @@ import os
 import torch
 
 from ..model.arch import ModelAdapter
-from ..weights.formats import INT4_GROUP, Int4Linear, Int8Linear, unpack_int4
-from ..weights.packed import PackedLinear, pack_codes
 from . import abi, build
+from .matrices import ABSENT, embeds_from_head, float_matrix, joined, packed, weights_kind
 
 TILE, BLOCK = 16, 32
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
@@ -47,52 +46,6 @@ ROPE_TABLE = 1024                                   # positions of cos/sin compu
 PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
 
 
-# A weight is (code - zero) * d + m (abi.MatArgs): the int4 layers keep their bf16 zeros as m (w =
-# (q - 8) * scale + zero), the int8 head stores no m (w = (q - 128) * scale). The step reads the
-# codes and d (and the int4 zeros) only, and computes code 0's value m - zero * d: an exact product
-# and one rounding, the float32 offset zero - 8 * scale the PyTorch path computes.
-def _int4_parts(module: Int4Linear) -> tuple:
-    n, k = module.out_features, module.in_features
-    codes = unpack_int4(module.packed, n, k, module.block)
-    scale = module.scale_zeros[..., 0].T                                        # [N, K/g] bf16
-    return codes, scale, module.scale_zeros[..., 1].T                           # zeros [N, K/g] bf16
-
-
-def _int8_parts(module: Int8Linear) -> tuple:
-    n, k = module.out_features, module.in_features
-    codes = (module.qweight.to(torch.int16) + 128).to(torch.uint8)
-    return codes, module.scales[:, None].expand(n, k // BLOCK), None
-
-
-def _joined(modules: list, bits: int) -> dict:
-    """Several linear layers over the same input as one matrix (rows stacked), packed, with bias."""
-    parts = [_int4_parts(m) if bits == 4 else _int8_parts(m) for m in modules]
-    codes, scale = (torch.cat([p[i] for p in parts]) for i in range(2))
-    offset = torch.cat([p[2] for p in parts]) if bits == 4 else None
-    packed = pack_codes(codes, scale, offset, bits, offset_dtype=torch.bfloat16)
-    packed["zero"] = 8 if bits == 4 else 128
-    if any(m.bias is not None for m in modules):
-        packed["bias"] = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features)
-                                    for m in modules])
-    packed["dims"] = (sum(m.out_features for m in modules), modules[0].in_features, bits)
-    return packed
-
-
-def weights_kind(adapter: ModelAdapter) -> str | None:
-    """"int4" (decoder layers int4, head int8), "packed" (every decoder linear and the head a
-    PackedLinear: read in place), "float" (all plain float32 linears), or None."""
-    linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
-    if all(type(m) is PackedLinear for m in [*linears, adapter.lm_head]):
-        return "packed"
-    if all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears) \
-            and type(adapter.lm_head) is Int8Linear:
-        return "int4"
-    if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in [*linears, adapter.lm_head]):
-        return "float"
-    return None
-
-
-ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
 PREFILL_ENV = "KVBOOST_NATIVE_PREFILL"      # "1" / "0": float32 prompt chunks natively or not, whatever the CPU
 
 
@@ -108,21 +61,6 @@ def float_prefill_off() -> str | None:
     if torch.backends.mkl.is_available() and build.cpu_vendor() == "GenuineIntel":
         return "float32 prompt chunks run PyTorch's MKL products (faster than the native step on Intel CPUs)"
     return None
-
-
-def _packed(module: PackedLinear) -> dict:
-    """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy); m
-    is not read where it is -zero_code * d (Q4_0, Q5_0, Q8_0, re-quantized), and is the value of
-    code m_code where the module has one (weights="int4": the step computes m - m_code * d)."""
-    zero = getattr(module, "zero_code", None)           # m == -zero * d: the step derives it
-    return {"codes": module.codes, "d": module.d, "m": None if zero else module.m, "bias": module.bias,
-            "zero": zero or getattr(module, "m_code", 0), "dims": (module.out_features, module.in_features, module.bits)}
-
-
-def _float(module: torch.nn.Linear) -> dict:
-    """A float32 linear layer as it is: its own weight [N, K] (no copy), and bias."""
-    return {"codes": module.weight, "bias": None if module.bias is None else module.bias.float(),
-            "dims": (module.out_features, module.in_features, 32)}
 
 
 def unsupported_reason(adapter: ModelAdapter) -> str | None:
@@ -172,17 +110,17 @@ class NativeDecoder:
         for layer, args, window in zip(parts, stack, adapter.layer_windows):
             if self.kind == "int4":
                 q, k, v, o, gate, up, down = layer.linears
-                mats = [_joined([q, k, v], 4), ABSENT, ABSENT, _joined([o], 4), _joined([gate, up], 4), ABSENT,
-                        _joined([down], 4)]
+                mats = [joined([q, k, v], 4), ABSENT, ABSENT, joined([o], 4), joined([gate, up], 4), ABSENT,
+                        joined([down], 4)]
             elif self.kind == "packed":
-                mats = [_packed(m) for m in layer.linears]
+                mats = [packed(m) for m in layer.linears]
             else:
-                mats = [_float(m) for m in layer.linears]
+                mats = [float_matrix(m) for m in layer.linears]
             args.in_norm, args.post_norm = self._hold(layer.input_norm.float()), self._hold(layer.post_norm.float())
             for name, mat in zip(abi.MATRICES, mats):
                 setattr(args, name, abi.mat_args(mat, self._hold))
             args.window = window or 0
-        head = {"int4": lambda h: _joined([h], 8), "packed": _packed, "float": _float}[self.kind](adapter.lm_head)
+        head = {"int4": lambda h: joined([h], 8), "packed": packed, "float": float_matrix}[self.kind](adapter.lm_head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
         model = abi.ModelArgs(len(parts), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
@@ -190,6 +128,7 @@ class NativeDecoder:
                               parts[0].scaling, stack, self._hold(plain.final_norm.float()),
                               abi.mat_args(head, self._hold))
         self._handle = lib.kvb_decoder_new(ctypes.byref(model))
+        self._embed_native = embeds_from_head(adapter, self.kind)
         self.threads = threads
         self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
         rope = str(adapter.rope_settings().get("rope_type", "default"))
@@ -247,10 +186,21 @@ class NativeDecoder:
         rows' logits [wanted, vocab]; every row's K and V are written before any row attends."""
         keep: list = []
         array = (abi.Row * len(rows))(*(self._row(view, p, want, keep) for view, p, want in rows))
-        x = self.adapter.embed(torch.tensor([token_ids])).float().contiguous()
+        x = self._embed(token_ids)
         logits = torch.empty(sum(bool(want) for *_, want in rows), self.vocab, dtype=torch.float32)
         self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
         return logits
+
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The tokens' input embeddings [M, hidden] (float32): decoded natively from the packed head
+        where it is the embedding table (the same numbers as PackedEmbedding, without its ~20 small
+        PyTorch ops: 150-300 us of a 4 ms step), else the model's own lookup."""
+        if self._embed_native:
+            x = torch.empty(len(token_ids), self.adapter.embed.embedding_dim, dtype=torch.float32)
+            ids = (ctypes.c_int64 * len(token_ids))(*token_ids)
+            if self._lib.kvb_decoder_embed(self._handle, len(token_ids), ids, x.data_ptr()) == 0:
+                return x
+        return self.adapter.embed(torch.tensor([token_ids]))[0].float().contiguous()
 
     @torch.inference_mode()
     def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
