@@ -34,6 +34,11 @@ with float16 KV (EngineConfig.kv_dtype; llama.cpp's KV is f16, its default):
 int8 KV against llama.cpp's q8_0 KV (the same numbers: int8 per block of 32 with an f16 scale):
   python -m benchmarks.micro.native_steps --config default:int4,1.7b:q4_0 --kv-dtype float16,int8 \
       --llama-kv f16,q8_0 --out benchmarks/results/native_steps_int8kv.json
+Rounds: `--rounds 3` runs the whole list three times, ours and llama.cpp alternating, and reports the
+median speeds and the median of each round's ratio (a noisy machine's drift between processes then
+shows as spread, not as one run's luck):
+  python -m benchmarks.micro.native_steps --model 1.7b --kv-dtype ,float16,int8 --llama-kv f16,q8_0 \
+      --depths 0,512 --rounds 3 --out benchmarks/results/native_steps_1p7b_rounds.json
 Smoke: python -m benchmarks.micro.native_steps --smoke
 Results: benchmarks/results/native_steps.json (--out); a table of ours / llama.cpp is printed.
 """
@@ -158,24 +163,43 @@ def run_llama(model: str, args, kv: str = "f16") -> dict:
 
 # ---- report ----------------------------------------------------------------------------------
 def table(rows: list[dict], depths: list[int]) -> str:
+    """Speeds and ours / llama.cpp per configuration; over several rounds (--rounds), the median speed
+    and the median of each round's ratio (ours against llama.cpp's row of the same round)."""
     keys = ["prefill_tok_s"] + [f"decode_tok_s@{d}" for d in depths]
     head = ["prefill"] + [f"decode @{d}" for d in depths]
+    rounds = max((r.get("round", 0) for r in rows), default=0) + 1
     lines = ["| model | config | side | " + " | ".join(f"{h} tok/s" for h in head) + " | " +
              " | ".join(f"{h} / llama.cpp" for h in head) + " |", "|---" * (3 + 2 * len(keys)) + "|"]
-    llama = {(r["model"], r.get("kv", "f16")): r for r in rows if r["side"] == "llama.cpp" and "status" not in r}
+    llama = {(r["model"], r.get("kv", "f16"), r.get("round", 0)): r
+             for r in rows if r["side"] == "llama.cpp" and "status" not in r}
+    groups: dict = {}
     for r in rows:
-        if "status" in r:
-            lines.append(f"| {r['model']} | {r['config']} | {r['side']} | {r['status'][:160]} |")
+        groups.setdefault((r["model"], r["config"], r["side"], r.get("isa"), r.get("kv_dtype") or r.get("kv")), []).append(r)
+    for group in groups.values():
+        r = group[0]
+        failed = [g for g in group if "status" in g]
+        if failed:
+            lines.append(f"| {r['model']} | {r['config']} | {r['side']} | {failed[0]['status'][:160]} |")
             continue
-        ref = {}
-        if r["side"] == "ours":                  # int8 KV against llama.cpp's q8_0 KV where it ran, else its f16 KV
-            ref = llama.get((r["model"], "q8_0" if r.get("kv_dtype") == "int8" else "f16")) or llama.get((r["model"], "f16"), {})
-        speeds = [f"{r[k]:.1f}" if k in r else "-" for k in keys]
-        ratios = [f"{r[k] / ref[k]:.2f}x" if k in r and ref.get(k) else "-" for k in keys]
+        ratios = {k: [] for k in keys}
+        for g in group:
+            if g["side"] != "ours":
+                continue
+            # int8 KV against llama.cpp's q8_0 KV where it ran, else its f16 KV (the same round's)
+            at = g.get("round", 0)
+            ref = llama.get((g["model"], "q8_0" if g.get("kv_dtype") == "int8" else "f16", at)) \
+                or llama.get((g["model"], "f16", at), {})
+            for k in keys:
+                if k in g and ref.get(k):
+                    ratios[k].append(g[k] / ref[k])
+        speeds = [f"{statistics.median(g[k] for g in group):.1f}" if all(k in g for g in group) else "-" for k in keys]
+        shown = [f"{statistics.median(ratios[k]):.2f}x" if ratios[k] else "-" for k in keys]
         side = f"{r['side']} ({r.get('native_isa') or r.get('isa')})" if r.get("isa") else r["side"]
         kv = r.get("kv_dtype") or r.get("kv")
         config = f"{r['config']}, {kv} KV" if kv else r["config"]
-        lines.append(f"| {r['model']} | {config} | {side} | " + " | ".join(speeds + ratios) + " |")
+        if rounds > 1:
+            side += f", median of {len(group)}"
+        lines.append(f"| {r['model']} | {config} | {side} | " + " | ".join(speeds + shown) + " |")
     return "\n".join(lines)
 
 
@@ -201,6 +225,9 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-kv", default="f16", help="comma list of llama.cpp's KV cache types (llama-bench -ctk / "
                         "-ctv; q8_0 with -fa on); our int8 KV rows compare with its q8_0 row where there is one")
     parser.add_argument("--llama-variant", default="", help="llama.cpp tools variant (avx2: the AVX2-only build)")
+    parser.add_argument("--rounds", type=int, default=1, help="run every row this many times, ours and llama.cpp "
+                        "alternating; the table gives median speeds and the median of each round's ratio (this "
+                        "machine's speed drifts by 15-40 %% between processes minutes apart)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -213,18 +240,19 @@ def main(argv=None) -> None:
     out = args.out or (Path(tempfile.gettempdir()) / "native_steps_smoke.json" if args.smoke
                        else Path("benchmarks/results/native_steps.json"))
     rows = []
-    for model in args.model.split(","):
-        if args.side in ("both", "ours"):
-            wanted = [c for c in args.config.split(",") if c]
-            for config in [c for c in CONFIGS[model] if not wanted or c in wanted or f"{model}:{c}" in wanted]:
-                for isa in args.isa.split(","):
-                    for kv_dtype in args.kv_dtype.split(","):
-                        rows.append(run_ours(model, config, args, isa, kv_dtype))
-                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        if args.side in ("both", "llama"):
-            for kv in args.llama_kv.split(","):
-                rows.append(run_llama(model, args, kv))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    for round_ in range(args.rounds):
+        for model in args.model.split(","):
+            if args.side in ("both", "ours"):
+                wanted = [c for c in args.config.split(",") if c]
+                for config in [c for c in CONFIGS[model] if not wanted or c in wanted or f"{model}:{c}" in wanted]:
+                    for isa in args.isa.split(","):
+                        for kv_dtype in args.kv_dtype.split(","):
+                            rows.append({**run_ours(model, config, args, isa, kv_dtype), "round": round_})
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            if args.side in ("both", "llama"):
+                for kv in args.llama_kv.split(","):
+                    rows.append({**run_llama(model, args, kv), "round": round_})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "child", "depth_list")}
     settings.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(),
                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), cpu_count=os.cpu_count())
