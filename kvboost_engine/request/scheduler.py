@@ -149,8 +149,7 @@ class Scheduler:
             for fn, future in tasks:
                 _run_task(fn, future)
             try:
-                with messages_after():          # the step's deltas handed over at its end
-                    self._step()
+                self._step()
             except BaseException as err:  # noqa: BLE001 - not pinned on one request: end the admitted ones
                 log.exception("kvboost scheduler step failed; its running requests get the error")
                 self._fail_admitted(_internal(err))
@@ -169,11 +168,12 @@ class Scheduler:
             for owner in owners:
                 self._fail(owner, err)
             return
-        for owner, item, out in zip(owners, items, logits):
-            try:
-                self._settle(owner, len(item[1]), out)
-            except BaseException as err:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(owner, err)
+        with messages_after():                  # the step's deltas handed over together at its end
+            for owner, item, out in zip(owners, items, logits):
+                try:
+                    self._settle(owner, len(item[1]), out)
+                except BaseException as err:  # noqa: BLE001 - this request fails, the others go on
+                    self._fail(owner, err)
 
     def _drop_cancelled(self) -> None:
         for decoding in [d for d in self._decoding if d.request.cancel.is_set()]:
