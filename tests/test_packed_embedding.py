@@ -26,3 +26,16 @@ def test_one_id_equals_many_and_the_decoded_rows(bits, m_code, scaled):
             one = embedding(ids[:, j:j + 1])
             assert one.shape == (1, 1, k) and torch.equal(one[0, 0], many[0, j])
         assert torch.equal(embedding(torch.tensor(5)), rows[5])                 # a 0-d id: [K]
+
+
+def test_an_id_outside_the_table_is_an_index_error():
+    """As nn.Embedding: a negative id or one past the last row raises, on the one-id and the many-id path
+    (tensor indexing alone would wrap -1 to the last row)."""
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    tiles = pack_codes(codes, torch.rand(32, 2) + 0.01, -torch.rand(32, 2), 4, offset_dtype=torch.bfloat16)
+    embedding = PackedEmbedding(PackedLinear(tiles["codes"], tiles["d"], tiles["m"], 4, 32, 64))
+    with torch.inference_mode():
+        for ids in ([[-1]], [[32]], [[0, -1]], [[3, 32]]):
+            with pytest.raises(IndexError):
+                embedding(torch.tensor(ids))
+        assert embedding(torch.tensor([[0, 31]])).shape == (1, 2, 64)

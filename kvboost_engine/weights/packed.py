@@ -145,8 +145,11 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() == 1:
-            return self._one(int(ids.reshape(-1)[0])).view(*ids.shape, -1)
+            return self._one(self._checked(int(ids.reshape(-1)[0]))).view(*ids.shape, -1)
         flat = ids.reshape(-1)
+        if flat.numel():
+            self._checked(int(flat.min()))
+            self._checked(int(flat.max()))
         t = self.table
         k, blocks, block_bytes = t.in_features, t.in_features // BLOCK, 256 if t.bits == 4 else 512
         tiles = flat // TILE
@@ -162,6 +165,13 @@ class PackedEmbedding(nn.Module):
         values = torch.addcmul(t.offset_of(m, d)[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
         values = values.view(*ids.shape, k).to(self.out_dtype)
         return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
+
+    def _checked(self, index: int) -> int:
+        """`index`, or nn.Embedding's IndexError where it is no row (a negative id would otherwise
+        read a row from the table's end, as tensor indexing wraps)."""
+        if not 0 <= index < self.num_embeddings:
+            raise IndexError(f"token id {index} out of range of the embedding's {self.num_embeddings} rows")
+        return index
 
     def _one(self, index: int) -> torch.Tensor:
         """Row `index` [K] (a decode step's token): the same numbers as forward's, by views of the
