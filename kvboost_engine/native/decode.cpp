@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -919,6 +920,10 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
   shared_values<KT, D, H, 1>(vbase, slots, n, &slots, &n, stride, sc, out);   // one row, all n keys in one run
 }
 
+// f(std::integral_constant<int, B>) for each B in order: a loop whose index is a constant in its body
+template <int... B, typename F>
+inline void each_of(std::integer_sequence<int, B...>, F&& f) { (f(std::integral_constant<int, B>{}), ...); }
+
 constexpr int SHARED_ROWS = 8;    // rows at most in one task over a shared key block
 constexpr int SHARED_MIN = 32;    // keys at least that rows of one task share
 
@@ -949,30 +954,38 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
     }
     // Pass b takes LB lanes' key columns into registers and adds their chains as vsum_across' tree
     // does, so less goes through ps: LB 4, lanes 4b .. 4b + 3 (a group: vsum_quad); LB 2, lanes
-    // 4 (b / 2) + b % 2 and 2 on (a group's first adds); LB 1, lane b (each chain stored).
+    // 4 (b / 2) + b % 2 and 2 on (a group's first adds); LB 1, lane b (each chain stored). b is a
+    // constant in each pass, so every query element a pass reads is at a fixed offset from its row's
+    // pointer (a loop over b spilled the LB D offsets and reloaded them for every row and head).
     constexpr int LB = D * 4 <= REGISTERS / 2 ? 4 : D * 2 <= REGISTERS / 2 ? 2 : 1;
     constexpr int PASSES = VW / LB;
-    for (int b = 0; b < PASSES; ++b) {
-      int lane[LB];
-      for (int l = 0; l < LB; ++l) lane[l] = LB == 4 ? 4 * b + l : LB == 2 ? 4 * (b / 2) + b % 2 + 2 * l : b;
+    auto pass = [&](auto bc) __attribute__((always_inline)) {
+      constexpr int b = decltype(bc)::value;
+      constexpr int lane0 = LB == 4 ? 4 * b : LB == 2 ? 4 * (b / 2) + b % 2 : b;
+      constexpr int STEP = LB == 4 ? 1 : 2;
       vf kr[LB][D];
       for (int l = 0; l < LB; ++l)
-        for (int c = 0; c < D; ++c) kr[l][c] = vload(kt + (c * VW + lane[l]) * VW);
-      for (int rh = 0; rh < R * H; ++rh) {
-        const float* qh = q[rh / H] + (rh % H) * head_dim;
-        vf ch[LB];
-        for (int l = 0; l < LB; ++l) {
-          vf s = vmul(vset1(qh[lane[l]]), kr[l][0]);
-          for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + lane[l]]), kr[l][c], s);
-          ch[l] = opaque(s);                   // a bare product (D = 1) stays rounded
+        for (int c = 0; c < D; ++c) kr[l][c] = vload(kt + (c * VW + lane0 + STEP * l) * VW);
+      float* pso = ps + b * VW;
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q[r] + lane0;
+        for (int h = 0; h < H; ++h) {
+          const float* qh = qr + h * head_dim;
+          vf ch[LB];
+          for (int l = 0; l < LB; ++l) {
+            vf s = vmul(vset1(qh[STEP * l]), kr[l][0]);
+            for (int c = 1; c < D; ++c) s = vfma(vset1(qh[VW * c + STEP * l]), kr[l][c], s);
+            ch[l] = opaque(s);                 // a bare product (D = 1) stays rounded
+          }
+          vf out;
+          if constexpr (LB == 4) out = vsum_quad(ch[0], ch[1], ch[2], ch[3]);
+          else if constexpr (LB == 2) out = vadd(ch[0], ch[1]);
+          else out = ch[0];
+          vstore(pso + ((r * H + h) * PASSES) * VW, out);
         }
-        vf out;
-        if constexpr (LB == 4) out = vsum_quad(ch[0], ch[1], ch[2], ch[3]);
-        else if constexpr (LB == 2) out = vadd(ch[0], ch[1]);
-        else out = ch[0];
-        vstore(ps + (rh * PASSES + b) * VW, out);
       }
-    }
+    };
+    each_of(std::make_integer_sequence<int, PASSES>{}, pass);
     for (int rh = 0; rh < R * H; ++rh) {
       const float* pr = ps + rh * PASSES * VW;
       vf total;
