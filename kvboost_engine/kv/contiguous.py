@@ -6,8 +6,8 @@ methods over the shared block pool.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .dense import attend_dense
 from .element import load, store, value_dtype
 from .geometry import KVGeometry
 
@@ -59,8 +59,7 @@ class SequenceKV:
     def attend(self, layer: int, query, mask, is_causal: bool, scaling: float, end: int, explicit_mask=None,
                q_range=None, window=None):
         keys, values = (load(part, query.dtype) for part in self.view(layer, end))   # kv_dtype: cast on read
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
-                                              scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
+        return attend_dense(query, keys, values, mask, is_causal, scaling)
 
     def load(self, kv: torch.Tensor, start: int) -> None:
         """Copy KV rows as stored `[2, layers, kv_heads, n, row_width]` in at `start`."""

@@ -7,8 +7,8 @@ runs over each run of consecutive blocks as a view and merges the runs by log-su
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .dense import attend_dense
 from .element import load, store, value_dtype
 from .pool import BlockPool
 
@@ -144,8 +144,7 @@ class PagedSequence:
         if len(runs) == 1 or end <= GATHER_MAX_KEYS:
             keys, values = (load(_joined([tensor[i, layer, :, slot:slot + n] for tensor, slot, _, n in runs])[None],
                                  query.dtype) for i in (0, 1))
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
-                                                  scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
+            return attend_dense(query, keys, values, mask, is_causal, scaling)
         full = None
         parts = []
         for tensor, slot, pos, n in runs:

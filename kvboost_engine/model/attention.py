@@ -45,7 +45,14 @@ class AttentionStep:
         self.kv.write(layer, keys, values, self.start)
         window = self.layer_windows[layer]
         mask = self.masks[window]
-        is_causal = mask is None and self.start == 0 and query.shape[2] > 1
+        n = query.shape[2]
+        # causal from the last key (kv/dense.py): a whole prompt from 0, or a chunk of n queries after
+        # `start` cached positions while start < n, where the causal square of start + n keys costs
+        # less than the masked rectangle n (start + n); else the mask, or none (one query)
+        is_causal = n > 1 and ((mask is None and self.start == 0) or (
+            (window is None or window >= self.end) and 0 < self.start < n))
+        if is_causal:
+            mask = None
         out = self.kv.attend(layer, query, mask, is_causal, scaling, self.end, lambda: self._full_mask(window),
                              (self.start, self.end - 1), window)
         return out.transpose(1, 2)
