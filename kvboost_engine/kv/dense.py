@@ -4,11 +4,11 @@ A prompt chunk after cached positions (a cached system prompt or chat template, 
 queries at start..end over keys 0..end: each query sees the keys up to its own position. SDPA's
 `is_causal` aligns the diagonal to the first key (query i sees keys 0..i), so such a chunk used to
 pass an explicit mask, and with a mask PyTorch's fused CPU kernel visits every key block of every
-query: about twice the work of the causal triangle (the default model's 30 layers over a 1,024-token
-chunk after 27 cached positions: 426 ms masked, 269 ms padded; Xeon, 2 threads). Padding the queries
-in front with `start` rows turns it into SDPA's square causal case, the same attention for the real
-rows, at the cost of the padding rows' triangle, which is less than the mask's waste while start < N
-(AttentionStep, which knows the chunk and the window, decides).
+query: about twice the work of the causal triangle (a probe: the default model's 30 layers over a
+1,024-token chunk after 27 cached positions, 426 ms masked, 269 ms padded; Xeon, 2 threads). Padding
+the queries in front with `start` rows turns it into SDPA's square causal case, the same attention
+for the real rows, at the cost of the padding rows' triangle, which is less than the mask's waste
+while start < N (AttentionStep, which knows the chunk and the window, decides).
 """
 from __future__ import annotations
 
