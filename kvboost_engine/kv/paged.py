@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .dense import attend_dense
+from .dense import attend_dense, attend_with_lse, merge_by_lse
 from .element import load, store, value_dtype
 from .pool import BlockPool
 
@@ -242,45 +242,3 @@ class PagedSequence:
 
 def _joined(views: list) -> torch.Tensor:
     return views[0] if len(views) == 1 else torch.cat(views, dim=1)
-
-
-def attend_with_lse(query, keys, values, mask, scale):
-    """Attention of query [1, H, N, D] over one run of stored keys and values [1, Hkv, S, row_width]
-    (kv/element.py): (out [1, H, N, D], lse [1, H, N])."""
-    _, heads, n, dim = query.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    keys, values = load(keys, query.dtype), load(values, query.dtype)  # KV kept in another dtype (kv_dtype)
-    q = query.reshape(1, kv_heads, group * n, dim)                      # rows: (group, position)
-    additive = None
-    visible = None
-    if mask is not None:
-        rows = mask.repeat(group, 1)                                    # [G * N, S]
-        visible = rows.any(-1)
-        additive = torch.zeros(rows.shape, dtype=query.dtype, device=query.device).masked_fill(~rows, float("-inf"))
-    if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, keys, values, 0.0, False, attn_mask=additive, scale=scale)
-    else:
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-        if additive is not None:
-            scores = scores + additive.float()
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
-    if visible is not None:
-        lse = lse.masked_fill(~visible, float("-inf"))
-    return out.reshape(1, heads, n, dim), lse.reshape(1, heads, n)
-
-
-def merge_by_lse(parts):
-    """Combine per-run attention outputs into attention over all runs."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lses = torch.stack([lse.float() for _, lse in parts])                # [R, 1, H, N]
-    total = torch.logsumexp(lses, dim=0)
-    out = None
-    for (part, _), lse in zip(parts, lses):
-        weight = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
-        term = (part.float() * weight).nan_to_num(0.0)
-        out = term if out is None else out + term
-    return out.to(parts[0][0].dtype)

@@ -45,14 +45,9 @@ class AttentionStep:
         self.kv.write(layer, keys, values, self.start)
         window = self.layer_windows[layer]
         mask = self.masks[window]
-        n = query.shape[2]
-        # causal from the last key (kv/dense.py): a whole prompt from 0, or a chunk of n queries after
-        # `start` cached positions while start < n, where the causal square of start + n keys costs
-        # less than the masked rectangle n (start + n); else the mask, or none (one query)
-        is_causal = n > 1 and ((mask is None and self.start == 0) or (
-            (window is None or window >= self.end) and 0 < self.start < n))
-        if is_causal:
-            mask = None
+        # several queries with no window that cuts keys: causal from the last key, which the KV's dense
+        # attention may compute without the mask (kv/dense.py); the mask stays for what cannot
+        is_causal = query.shape[2] > 1 and (window is None or window >= self.end)
         out = self.kv.attend(layer, query, mask, is_causal, scaling, self.end, lambda: self._full_mask(window),
                              (self.start, self.end - 1), window)
         return out.transpose(1, 2)
