@@ -942,8 +942,19 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
   prefetch_rows<KT, D>(kbase, slots, stride, i0, std::min(n, i0 + KEYS_AHEAD));
   for (int i = i0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
-    prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
-    prefetch_rows<KT, D>(vbase, slots, stride, i, i + cnt);
+    // The rows to ask for during this group (the keys KEYS_AHEAD on, this group's values): where
+    // several rows share the group, spread over its passes and rows, so memory works while they compute
+    const char* pf[2 * VW];
+    int npf = 0;
+    for (int j = std::min(n, i + KEYS_AHEAD); j < std::min(n, i + KEYS_AHEAD + VW); ++j)
+      pf[npf++] = reinterpret_cast<const char*>(kbase + slots[j] * stride);
+    for (int j = i; j < i + cnt; ++j) pf[npf++] = reinterpret_cast<const char*>(vbase + slots[j] * stride);
+    constexpr int row_bytes = kv_row_bytes<KT>(D * VW);
+    auto ask = [&](int a, int b) __attribute__((always_inline)) {
+      for (int q = a; q < std::min(b, npf); ++q)
+        for (int o = 0; o < row_bytes; o += 64) _mm_prefetch(pf[q] + o, _MM_HINT_T0);
+    };
+    if (R == 1) ask(0, npf);
     const E* k[VW];
     for (int j = 0; j < VW; ++j) k[j] = kbase + slots[i + std::min(j, cnt - 1)] * stride;
     for (int c = 0; c < D; ++c) {            // kt[c VW + l] lane j: column c VW + l of key i + j
@@ -967,7 +978,9 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
       for (int l = 0; l < LB; ++l)
         for (int c = 0; c < D; ++c) kr[l][c] = vload(kt + (c * VW + lane0 + STEP * l) * VW);
       float* pso = ps + b * VW;
+      const int per = (npf + PASSES * R - 1) / (PASSES * R);
       for (int r = 0; r < R; ++r) {
+        if (R > 1) ask((b * R + r) * per, (b * R + r + 1) * per);
         const float* qr = q[r] + lane0;
         for (int h = 0; h < H; ++h) {
           const float* qh = qr + h * head_dim;
