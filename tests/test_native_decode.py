@@ -29,8 +29,18 @@ PROMPT = [5, 900, 17, 3000, 42, 7, 123, 4567, 89, 10, 11, 12, 13, 14, 15, 16, 17
 WIDE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4)
 
 
+def varied_qk_norms(model):
+    """Qwen3's per-head q/k RMSNorm weights start at 1: randomised so a step that skips or misplaces them shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                seeded = torch.Generator().manual_seed(len(name))
+                param.copy_(torch.empty_like(param).uniform_(0.5, 1.5, generator=seeded))
+    return model
+
+
 def int4_model(model_type: str, tmp_path, **overrides):
-    model = tiny_model(model_type, seed=4, **{**WIDE, **overrides})
+    model = varied_qk_norms(tiny_model(model_type, seed=4, **{**WIDE, **overrides}))
     convert_model(model, "int4", cache_dir=tmp_path)
     return model
 
@@ -87,6 +97,7 @@ def _paged(adapter):
 @pytest.mark.parametrize("model_type,overrides", [
     ("llama", {}),
     ("qwen2", {}),                                           # q/k/v biases
+    ("qwen3", {}),                                           # RMSNorm over each q / k head (head_dim 16)
     ("mistral", {"sliding_window": 8}),                      # keys older than the window are not seen
     ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}),
     # heads x head_dim != hidden size
@@ -108,10 +119,11 @@ def test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, override
 
 
 @needs_cpu
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
-def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory):
+def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory, model_type):
     """Float32 weights: the same arithmetic in another order of additions."""
-    model = tiny_model("qwen2", seed=5, **WIDE)
+    model = varied_qk_norms(tiny_model(model_type, seed=5, **WIDE))
     pairs, kv_torch, kv_native = _decode_both(model, kv_factory)
     for n, (want, got) in enumerate(pairs):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (n, (got - want).abs().max())

@@ -73,8 +73,9 @@ def test_variant_int4_step_tracks_the_pytorch_step(isa, tmp_path, model_type, ov
     test_native_decode.test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, overrides, _contiguous)
 
 
-def test_variant_float_step_equals_the_pytorch_step_up_to_rounding(isa):
-    test_native_decode.test_float_native_step_equals_the_pytorch_step_up_to_rounding(_contiguous)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_variant_float_step_equals_the_pytorch_step_up_to_rounding(isa, model_type):
+    test_native_decode.test_float_native_step_equals_the_pytorch_step_up_to_rounding(_contiguous, model_type)
 
 
 @pytest.mark.parametrize("formats,head", [([Q4_1], Q8_0), ([K8], Q8_0)], ids=["q4_1-q8_0", "k8-q8_0"])

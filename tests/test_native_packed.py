@@ -12,7 +12,7 @@ from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder, unsupported_reason, weights_kind
 from kvboost_engine.weights.packed import BLOCK, PackedLinear, pack_codes
-from test_native_decode import PROMPT, _contiguous, _paged
+from test_native_decode import PROMPT, _contiguous, _paged, varied_qk_norms
 from tiny_models import tiny_model
 
 _CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler")
@@ -89,9 +89,9 @@ def test_packed_model_decodes_natively_like_the_pytorch_path(formats, head, kv_f
 
 
 @needs_cpu
-def test_packed_qwen2_biases_and_sliding_window():
-    for model_type, overrides in [("qwen2", {}), ("mistral", {"sliding_window": 8})]:
-        model = packed_model(model_type, [Q4_1, K8], Q8_0, **overrides)
+def test_packed_qwen2_biases_qwen3_qk_norms_and_sliding_window():
+    for model_type, overrides in [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]:
+        model = varied_qk_norms(packed_model(model_type, [Q4_1, K8], Q8_0, **overrides))
         for want, got in _decode_both(model, _contiguous)[0]:
             assert ((got - want).norm() / want.norm()).item() < 0.015
 

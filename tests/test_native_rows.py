@@ -14,7 +14,7 @@ from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder
-from test_native_decode import PROMPT, WIDE, _contiguous, _paged, int4_model
+from test_native_decode import PROMPT, WIDE, _contiguous, _paged, int4_model, varied_qk_norms
 from test_native_packed import K8, MIXED, packed_model
 from tiny_models import tiny_model
 
@@ -22,16 +22,17 @@ _CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler"
 pytestmark = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
 
 ARCHS = [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}),
-         ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2})]
-ARCH_IDS = ["llama", "qwen2", "mistral-window", "head_dim"]
+         ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}),
+         ("qwen3", {})]
+ARCH_IDS = ["llama", "qwen2", "mistral-window", "head_dim", "qwen3-qk-norms"]
 
 
 def make(weights: str, model_type: str, overrides: dict, tmp_path):
     if weights == "int4":
         return int4_model(model_type, tmp_path, **overrides)
     if weights == "packed":
-        return packed_model(model_type, MIXED, K8, **overrides)
-    return tiny_model(model_type, seed=5, **{**WIDE, **overrides})
+        return varied_qk_norms(packed_model(model_type, MIXED, K8, **overrides))
+    return varied_qk_norms(tiny_model(model_type, seed=5, **{**WIDE, **overrides}))
 
 
 def _kv_state(kv, adapter, end):

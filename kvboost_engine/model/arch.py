@@ -46,9 +46,10 @@ LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 # Model types whose decoder layer is plain Llama math: RMSNorm (weight * x / rms), rotary over the
-# whole head, no q/k norms, a SiLU gate/up/down MLP. Code that runs the layer math itself (the
-# native decode step) takes only these, through `ModelAdapter.layer_parts`.
-PLAIN_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# whole head, a SiLU gate/up/down MLP; Qwen3 adds an RMSNorm over each query and key head before the
+# rotary (LayerParts.q_norm / k_norm). Code that runs the layer math itself (the native decode
+# step) takes only these, through `ModelAdapter.layer_parts`.
+PLAIN_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +61,8 @@ class LayerParts:
     linears: tuple                  # the modules at LAYER_LINEARS, in that order
     scaling: float                  # attention score scale
     head_dim: int
+    q_norm: torch.Tensor | None = None   # RMSNorm weights [head_dim] over each query / key head before
+    k_norm: torch.Tensor | None = None   # the rotary (Qwen3), or None
 
 
 @dataclass(slots=True, frozen=True)
@@ -224,9 +227,11 @@ class ModelAdapter:
         """Layer `layer_idx` of a plain-Llama model (check `plain_llama` first) as plain parts."""
         layer = self.layers[layer_idx]
         head_dim = self.geometry.head_dim
+        q_norm, k_norm = (getattr(getattr(layer.self_attn, name, None), "weight", None)
+                          for name in ("q_norm", "k_norm"))
         return LayerParts(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           tuple(layer.get_submodule(name) for name in LAYER_LINEARS),
-                          float(getattr(layer.self_attn, "scaling", head_dim ** -0.5)), head_dim)
+                          float(getattr(layer.self_attn, "scaling", head_dim ** -0.5)), head_dim, q_norm, k_norm)
 
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, lm_head (and final logit soft-capping where the model has it) on the last

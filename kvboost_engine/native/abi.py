@@ -23,8 +23,10 @@ class MatArgs(ctypes.Structure):
 
 
 class LayerArgs(ctypes.Structure):
-    """One decoder layer: its two RMSNorm weights, seven matrices, sliding window (0: none)."""
-    _fields_ = [("in_norm", P), ("post_norm", P), *((name, MatArgs) for name in MATRICES), ("window", I64)]
+    """One decoder layer: its two RMSNorm weights, seven matrices, sliding window (0: none), and the
+    RMSNorm weights over each query and key head before the rotary (Qwen3; 0: none)."""
+    _fields_ = [("in_norm", P), ("post_norm", P), *((name, MatArgs) for name in MATRICES), ("window", I64),
+                ("q_norm", P), ("k_norm", P)]
 
 
 class ModelArgs(ctypes.Structure):

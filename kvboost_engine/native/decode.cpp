@@ -65,6 +65,8 @@ struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks
 struct Layer {
   const float* in_norm;
   const float* post_norm;
+  const float* q_norm;              // RMSNorm weights [head_dim] over each query / key head before the
+  const float* k_norm;              // rotary (Qwen3), or null
   std::vector<QMat> qkv, gate_up;   // q, k, v (or one matrix of them stacked); gate, up (or stacked)
   QMat o, down;
   int window;                // 0: full attention; else keys with pos - window < k <= pos
@@ -1496,8 +1498,12 @@ struct Decoder {
       float* q = qkv.data() + static_cast<size_t>(r) * qkv_w;
       float* k = q + q_rows;
       float* v = k + kv_rows;
-      for (int hd = 0; hd < heads; ++hd) rotate(q + hd * head_dim, row.cos, row.sin, head_dim);
+      for (int hd = 0; hd < heads; ++hd) {
+        if (L.q_norm) rms_norm(q + hd * head_dim, L.q_norm, head_dim, eps, q + hd * head_dim);
+        rotate(q + hd * head_dim, row.cos, row.sin, head_dim);
+      }
       for (int g = 0; g < kv_heads; ++g) {
+        if (L.k_norm) rms_norm(k + g * head_dim, L.k_norm, head_dim, eps, k + g * head_dim);
         rotate(k + g * head_dim, row.cos, row.sin, head_dim);
         const int64_t at = l * row.st[1] + g * row.st[2] + row.slots[row.pos] * row.st[3];
         kv_put(row.kv, kv_type, at, k + g * head_dim, head_dim);
@@ -1612,6 +1618,8 @@ struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v 
   const float* post_norm;
   MatArgs q, k, v, o, gate, up, down;
   int64_t window;            // 0: full attention
+  const float* q_norm;       // RMSNorm weights [head_dim] of each query / key head before the rotary, or null
+  const float* k_norm;
 };
 
 struct ModelArgs {
@@ -1631,7 +1639,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 10; }
+int kvb_abi_version() { return 11; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }
@@ -1652,6 +1660,8 @@ void* kvb_decoder_new(const ModelArgs* args) {
     Layer L;
     L.in_norm = a.in_norm;
     L.post_norm = a.post_norm;
+    L.q_norm = a.q_norm;
+    L.k_norm = a.k_norm;
     for (const MatArgs* part : {&a.q, &a.k, &a.v}) if (part->rows) L.qkv.push_back(qmat(*part));
     for (const MatArgs* part : {&a.gate, &a.up}) if (part->rows) L.gate_up.push_back(qmat(*part));
     L.o = qmat(a.o);

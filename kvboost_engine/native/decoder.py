@@ -26,8 +26,9 @@ KV is float32, float16 / bfloat16 or int8 (EngineConfig.kv_dtype): the step read
 rounded to nearest even, or quantized per block of 32), the same bytes for the same values.
 
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
-types), float32, and either every decoder linear layer in int4 with the head in int8
-(`weights="int4"`), or every one of them in float32, or every one of them packed.
+types; qwen3 with its RMSNorm over each query and key head before the rotary), float32, and
+either every decoder linear layer in int4 with the head in int8 (`weights="int4"`), or every one
+of them in float32, or every one of them packed.
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class NativeDecoder:
             else:
                 mats = [float_matrix(m) for m in layer.linears]
             args.in_norm, args.post_norm = self._hold(layer.input_norm.float()), self._hold(layer.post_norm.float())
+            args.q_norm, args.k_norm = (0 if w is None else self._hold(w.float()) for w in (layer.q_norm, layer.k_norm))
             for name, mat in zip(abi.MATRICES, mats):
                 setattr(args, name, abi.mat_args(mat, self._hold))
             args.window = window or 0
