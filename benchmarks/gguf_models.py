@@ -11,6 +11,9 @@ llama-cpp-python 0.3.36 sdist).
   1.7b     random weights (seed 0) with SmolLM2-1.7B's config (speed and memory do not depend on
            the values), saved as bf16 safetensors with the default model's tokenizer (same
            vocabulary), converted to a BF16 GGUF, then quantized to Q4_0, Q4_1, Q4_K_M and Q8_0
+  qwen3-1.7b  the same with Qwen3-1.7B's config (q/k norms, head_dim 128, 16 / 8 heads, its 151,936-row
+           tied embedding; the default model's tokenizer, the vocabulary padded by llama.cpp's
+           converter), Q4_0 only
 
 Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b]   (prints the files)
 """
@@ -28,11 +31,17 @@ STORED = ":stored"          # a format's file loaded with weights="gguf" (as sto
 GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
 MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "q8_0", "hf-int4"),
                  "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
-                 "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4")}
+                 "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4"),
+                 "qwen3-1.7b": ("q4_0",)}
 SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                     intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
                     rms_norm_eps=1e-5, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
                     pad_token_id=2, hidden_act="silu", initializer_range=0.02)
+QWEN3_1P7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+                  max_position_embeddings=40960, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=2, hidden_act="silu", initializer_range=0.02)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
@@ -76,43 +85,50 @@ def quantize(source: Path, target: Path, kind: str, requantize: bool = False) ->
     return target
 
 
-def random_1p7b_hf() -> Path:
-    """The random-weight SmolLM2-1.7B-shaped HF directory (bf16 safetensors), made once."""
-    target = bench_dir("smollm2-1.7b-random") / "hf"
-    if (target / "model.safetensors").is_file():
+RANDOM = {"1.7b": ("smollm2-1.7b-random", "llama", SMOLLM2_1P7B, "LlamaForCausalLM"),
+          "qwen3-1.7b": ("qwen3-1.7b-random", "qwen3", QWEN3_1P7B, "Qwen3ForCausalLM")}
+
+
+def random_1p7b_hf(model: str = "1.7b") -> Path:
+    """The random-weight HF directory (bf16 safetensors) of a RANDOM model, made once."""
+    name, model_type, settings, architecture = RANDOM[model]
+    target = bench_dir(name) / "hf"
+    if any(target.glob("*.safetensors")):
         return target
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvboost_engine.loading import default_model_dir
-    config = LlamaConfig(**SMOLLM2_1P7B)
-    config.architectures = ["LlamaForCausalLM"]
+    from kvboost_engine.model import compat
+    config = AutoConfig.for_model(model_type, **compat.config_settings(settings, model_type))
+    config.architectures = [architecture]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)     # 3.4 GB, never fp32
+    weights = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)     # 3.4-4 GB, never fp32
     staging = target.with_name("hf.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    del model
+    weights.save_pretrained(staging)
+    del weights
     tokenizer_dir = default_model_dir()
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file() and name != "generation_config.json":
-            shutil.copyfile(tokenizer_dir / name, staging / name)
+    for file in TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file() and file != "generation_config.json":
+            shutil.copyfile(tokenizer_dir / file, staging / file)
     os.replace(staging, target)
     return target
 
 
-def random_1p7b_gguf(fmt: str) -> Path:
-    """The 1.7B model's GGUF in `fmt` (a GGUF_FORMATS key), via a BF16 GGUF (kept)."""
-    folder = bench_dir("smollm2-1.7b-random")
-    bf16 = folder / "smollm2-1.7b-random.BF16.gguf"
+def random_1p7b_gguf(fmt: str, model: str = "1.7b") -> Path:
+    """A RANDOM model's GGUF in `fmt` (a GGUF_FORMATS key), via a BF16 GGUF (kept)."""
+    name = RANDOM[model][0]
+    folder = bench_dir(name)
+    bf16 = folder / f"{name}.BF16.gguf"
     if not bf16.is_file():
         tools = tools_dir()
         partial = bf16.with_name(bf16.name + ".partial")
         env = dict(os.environ, PYTHONPATH=f"{tools / 'gguf-py'}{os.pathsep}{tools / 'pydeps'}")
-        _run([sys.executable, tools / "convert_hf_to_gguf.py", random_1p7b_hf(), "--outtype", "bf16",
-              "--outfile", partial, "--model-name", "smollm2-1.7b-random"], env=env)
+        _run([sys.executable, tools / "convert_hf_to_gguf.py", random_1p7b_hf(model), "--outtype", "bf16",
+              "--outfile", partial, "--model-name", name], env=env)
         os.replace(partial, bf16)
-    return quantize(bf16, folder / f"smollm2-1.7b-random.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt])
+    return quantize(bf16, folder / f"{name}.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt])
 
 
 def default_gguf(fmt: str) -> Path:
@@ -143,7 +159,7 @@ def hf_dir(model: str) -> Path:
         return default_model_dir()
     if model == "gemma3":
         return Path(resolve_model_dir("gemma3-270m"))
-    return random_1p7b_hf()
+    return random_1p7b_hf(model)
 
 
 def model_file(model: str, fmt: str) -> Path:
@@ -152,7 +168,9 @@ def model_file(model: str, fmt: str) -> Path:
     fmt = fmt.removesuffix(STORED)
     if fmt == "hf-int4":
         return hf_dir(model)
-    return {"default": default_gguf, "gemma3": gemma3_gguf, "1.7b": random_1p7b_gguf}[model](fmt)
+    if model in RANDOM:
+        return random_1p7b_gguf(fmt, model)
+    return {"default": default_gguf, "gemma3": gemma3_gguf}[model](fmt)
 
 
 def main(argv=None) -> None:

@@ -6,6 +6,8 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
            int4    Engine.from_pretrained(weights="int4")
            q4_0    Engine.from_pretrained(<the default model's Q4_0 GGUF>)   (packed codes as stored)
   1.7b     q4_0    Engine.from_pretrained(<the random SmolLM2-1.7B-shape Q4_0 GGUF>)
+  qwen3-1.7b q4_0  Engine.from_pretrained(<the random Qwen3-1.7B-shape Q4_0 GGUF>)   (q/k norms, head_dim
+                   128, a 151,936-row tied head; not in the default --model list)
 Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked).
 
 Ours:
@@ -57,7 +59,7 @@ from pathlib import Path
 from ..gguf_models import home, model_file, tools_dir
 from .gguf import PROMPT, _timed, _vm_kib
 
-CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",)}
+CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",), "qwen3-1.7b": ("q4_0",)}
 
 
 def context_ids(tokenizer, n: int) -> list[int]:
