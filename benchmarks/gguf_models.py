@@ -15,7 +15,7 @@ llama-cpp-python 0.3.36 sdist).
            tied embedding; the default model's tokenizer, the vocabulary padded by llama.cpp's
            converter), Q4_0 only
 
-Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b]   (prints the files)
+Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b]   (prints the files)
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=
 QWEN3_1P7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
-                  max_position_embeddings=40960, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=2, hidden_act="silu", initializer_range=0.02)
+                  max_position_embeddings=40960, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                  hidden_act="silu", initializer_range=0.02)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
