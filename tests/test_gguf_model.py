@@ -175,6 +175,17 @@ def test_default_load_as_stored_only_where_the_native_step_runs_it(tmp_path, mon
     assert not gguf_model.stored_by_default(gemma)         # the PyTorch loop would decode every matrix per token
     monkeypatch.setattr(gguf_model, "available_bytes", lambda: 1_000)     # a float32 copy cannot fit
     assert gguf_model.stored_by_default(gemma)
+    # a llama file too, where the native step cannot run on this machine (the PyTorch loop would decode every
+    # matrix per forward): float32 while it fits
+    assert gguf_model.stored_by_default(llama, native=False)
+    monkeypatch.setattr(gguf_model, "available_bytes", lambda: 1 << 40)
+    assert not gguf_model.stored_by_default(llama, native=False)
+    assert gguf_model.stored_by_default(llama, native=True)
+    from kvboost_engine import loading
+    monkeypatch.setattr(loading, "native_runs_here", lambda: False)
+    assert loading.resolve_model_dir(llama) == loading.converted_gguf_dir(llama)
+    monkeypatch.setattr(loading, "native_runs_here", lambda: True)
+    assert loading.resolve_model_dir(llama) == packed_gguf_dir(llama)
     from kvboost_engine.weights.gguf_header import read_architecture
     assert read_architecture(llama.read_bytes()[:1 << 16]) == "llama"
     assert read_architecture(b"GGUF") is None and read_architecture(b"not a gguf") is None

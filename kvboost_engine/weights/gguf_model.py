@@ -54,24 +54,27 @@ def is_packed_dir(path: Path) -> bool:
     return (path / INDEX).is_file() and (path / COMPLETE).is_file()
 
 
-def stored_by_default(gguf_path: Path) -> bool:
+def stored_by_default(gguf_path: Path, native: bool = True) -> bool:
     """Whether a .gguf given without `weights` loads as stored. Yes where the native step runs the
-    architecture (llama, mistral, qwen2, qwen3: as stored is smaller and faster there). Gemma 3 as
-    stored runs the PyTorch layer loop, which decodes every matrix on every forward (seconds a
+    architecture (llama, mistral, qwen2, qwen3: as stored is smaller and faster there) and, `native`,
+    can run on this machine at all. Otherwise (Gemma 3; any file on a CPU without the native step)
+    as stored runs the PyTorch layer loop, which decodes every matrix on every forward (seconds a
     token), so it loads as float32, dequantized once, unless that copy would not fit the memory
     available: then as stored is the only way to run it. weights="gguf" / "fp32" choose."""
-    with open(gguf_path, "rb") as f:
-        if read_architecture(f.read(1 << 16)) in NATIVE_ARCHITECTURES:    # not the whole header (vocabulary)
-            return True
+    if native:
+        with open(gguf_path, "rb") as f:
+            if read_architecture(f.read(1 << 16)) in NATIVE_ARCHITECTURES:    # not the whole header (vocabulary)
+                return True
     file = GGUFFile(gguf_path)
-    if file.architecture in NATIVE_ARCHITECTURES:
+    if native and file.architecture in NATIVE_ARCHITECTURES:
         return True
     float_bytes = 4 * sum(math.prod(t.shape) for t in file.tensors.values())
     available = available_bytes()
     stored = available is not None and FLOAT_LOAD_PEAK * float_bytes > available
+    why = "run this architecture" if native else "run on this machine"
     log.info("%s (%s): loading %s", gguf_path.name, file.architecture, "as stored: a float32 copy "
-             f"({float_bytes / 2**30:.1f} GiB) would not fit" if stored else "as float32 (the native step does not "
-             "run this architecture; weights='gguf' keeps it as stored)")
+             f"({float_bytes / 2**30:.1f} GiB) would not fit" if stored else f"as float32 (the native step does not "
+             f"{why}; weights='gguf' keeps it as stored)")
     return stored
 
 
