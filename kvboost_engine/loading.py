@@ -24,6 +24,7 @@ import xxhash
 from . import package_index
 from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 from .named_models import NamedModel, fetch_gguf, named_model
+from .native import build
 from .model import compat
 from .model.building import building_model
 from .progress import Stages
@@ -42,12 +43,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
 
-def native_runs_here() -> bool:
-    """Whether this machine can run the native step at all (a CPU variant and a C++ compiler)."""
-    from .native import build
-    return build.cpu_reason() is None and build.compiler() is not None
-
-
 def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None,
                       as_stored: bool = True) -> Path | str:
     """A local HF directory for `model`, converting GGUF as needed, or a hub id string. A .gguf is
@@ -64,7 +59,7 @@ def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = Non
             raise InputError(f"weights='gguf' is for a .gguf file; {path} is a directory")
         return _hf_dir(path, "model")
     if path.is_file() and path.suffix == ".gguf":
-        if stored and (weights == "gguf" or stored_by_default(path, native_runs_here())):
+        if stored and (weights == "gguf" or stored_by_default(path, build.runs_here())):
             return packed_gguf_dir(path)
         return converted_gguf_dir(path)
     named = named_model(text)

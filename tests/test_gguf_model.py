@@ -182,9 +182,9 @@ def test_default_load_as_stored_only_where_the_native_step_runs_it(tmp_path, mon
     assert not gguf_model.stored_by_default(llama, native=False)
     assert gguf_model.stored_by_default(llama, native=True)
     from kvboost_engine import loading
-    monkeypatch.setattr(loading, "native_runs_here", lambda: False)
+    monkeypatch.setattr(build, "runs_here", lambda: False)
     assert loading.resolve_model_dir(llama) == loading.converted_gguf_dir(llama)
-    monkeypatch.setattr(loading, "native_runs_here", lambda: True)
+    monkeypatch.setattr(build, "runs_here", lambda: True)
     assert loading.resolve_model_dir(llama) == packed_gguf_dir(llama)
     from kvboost_engine.weights.gguf_header import read_architecture
     assert read_architecture(llama.read_bytes()[:1 << 16]) == "llama"

@@ -108,6 +108,11 @@ def compiler() -> str | None:
     return None
 
 
+def runs_here() -> bool:
+    """Whether this machine can run the native step at all: a CPU variant and a C++ compiler."""
+    return cpu_reason() is None and compiler() is not None
+
+
 def library_path(cxx: str, isa: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = xxhash.xxh3_64_hexdigest("\0".join([SOURCE.read_text(), cxx, *version, *FLAGS, *ISAS[isa][0]]).encode())
