@@ -10,7 +10,7 @@ from kvboost_engine import Engine, InputError
 from kvboost_engine.kv.contiguous import SequenceKV
 from kvboost_engine.kv.paged import PagedSequence
 from kvboost_engine.kv.pool import BlockPool
-from kvboost_engine.model.arch import ModelAdapter
+from kvboost_engine.model.arch import SUPPORTED_ARCHITECTURES, ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder, unsupported_reason
@@ -22,6 +22,7 @@ from together import serial_and_together
 # where the native step cannot run (no AVX512-VNNI, no C++ compiler) only the fallback tests run
 _CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler")
 needs_cpu = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
+no_gemma = pytest.mark.skipif("gemma3_text" not in SUPPORTED_ARCHITECTURES, reason="Gemma 3 needs transformers 5")
 PROMPT = [5, 900, 17, 3000, 42, 7, 123, 4567, 89, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 
 
@@ -30,7 +31,10 @@ WIDE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4)
 
 
 def varied_qk_norms(model):
-    """Qwen3's per-head q/k RMSNorm weights start at 1: randomised so a step that skips or misplaces them shows."""
+    """Qwen3's per-head q/k RMSNorm weights start at 1: randomised so a step that skips or misplaces them
+    shows (Gemma 3's norms multiply by 1 + weight: tiny_model randomises them already)."""
+    if model.config.model_type == "gemma3_text":
+        return model
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -98,6 +102,8 @@ def _paged(adapter):
     ("llama", {}),
     ("qwen2", {}),                                           # q/k/v biases
     ("qwen3", {}),                                           # RMSNorm over each q / k head (head_dim 16)
+    pytest.param("gemma3_text", {}, marks=no_gemma),
+    # Gemma 3: (1 + w) norms, two more per layer, GELU, window 16 and global layers (2nd rotary), softcap
     ("mistral", {"sliding_window": 8}),                      # keys older than the window are not seen
     ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}),
     # heads x head_dim != hidden size
@@ -119,7 +125,7 @@ def test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, override
 
 
 @needs_cpu
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", pytest.param("gemma3_text", marks=no_gemma)])
 @pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
 def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory, model_type):
     """Float32 weights: the same arithmetic in another order of additions."""
@@ -178,9 +184,9 @@ def test_engine_uses_it_by_default_and_off_on_request(tmp_path, monkeypatch):
         Engine(bf16, tokenizer, cache_bytes=0, native_decode=True)
     with pytest.raises(InputError, match="native_decode"):
         Engine(plain, tokenizer, cache_bytes=0, native_decode="yes")
-    gemma = tiny_model("gemma3_text")
-    with pytest.raises(InputError, match="gemma3_text"):
-        Engine(gemma, tokenizer, cache_bytes=0, native_decode=True)
+    phi3 = tiny_model("phi3")                                   # partial rotary: not plain Llama layers
+    with pytest.raises(InputError, match="phi3"):
+        Engine(phi3, tokenizer, cache_bytes=0, native_decode=True)
 
 
 def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):

@@ -73,7 +73,7 @@ def test_variant_int4_step_tracks_the_pytorch_step(isa, tmp_path, model_type, ov
     test_native_decode.test_native_step_tracks_the_pytorch_int4_step(tmp_path, model_type, overrides, _contiguous)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", pytest.param("gemma3_text", marks=test_native_decode.no_gemma)])
 def test_variant_float_step_equals_the_pytorch_step_up_to_rounding(isa, model_type):
     test_native_decode.test_float_native_step_equals_the_pytorch_step_up_to_rounding(_contiguous, model_type)
 

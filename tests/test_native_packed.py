@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvboost_engine.model.arch import ModelAdapter
+from kvboost_engine.model.arch import SUPPORTED_ARCHITECTURES, ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder, unsupported_reason, weights_kind
@@ -89,11 +89,14 @@ def test_packed_model_decodes_natively_like_the_pytorch_path(formats, head, kv_f
 
 
 @needs_cpu
-def test_packed_qwen2_biases_qwen3_qk_norms_and_sliding_window():
-    for model_type, overrides in [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]:
+def test_packed_qwen2_biases_qwen3_qk_norms_gemma3_and_sliding_window():
+    # Gemma 3 (transformers 5): 6 layers with two more norms each carry the int8 rounding further (2 %)
+    gemma = [("gemma3_text", {}, 0.03)] if "gemma3_text" in SUPPORTED_ARCHITECTURES else []
+    for model_type, overrides, limit in [("qwen2", {}, 0.015), ("qwen3", {}, 0.015), *gemma,
+                                         ("mistral", {"sliding_window": 8}, 0.015)]:
         model = varied_qk_norms(packed_model(model_type, [Q4_1, K8], Q8_0, **overrides))
         for want, got in _decode_both(model, _contiguous)[0]:
-            assert ((got - want).norm() / want.norm()).item() < 0.015
+            assert ((got - want).norm() / want.norm()).item() < limit, model_type
 
 
 @needs_cpu

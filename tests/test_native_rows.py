@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvboost_engine.kv.contiguous import SequenceKV
-from kvboost_engine.model.arch import ModelAdapter
+from kvboost_engine.model.arch import SUPPORTED_ARCHITECTURES, ModelAdapter
 from kvboost_engine.model.forward import Forward
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import native_decoder
@@ -25,6 +25,9 @@ ARCHS = [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}),
          ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}),
          ("qwen3", {})]
 ARCH_IDS = ["llama", "qwen2", "mistral-window", "head_dim", "qwen3-qk-norms"]
+if "gemma3_text" in SUPPORTED_ARCHITECTURES:      # transformers 5 only
+    ARCHS.append(("gemma3_text", {}))
+    ARCH_IDS.append("gemma3")
 
 
 def make(weights: str, model_type: str, overrides: dict, tmp_path):

@@ -46,23 +46,29 @@ LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 # Model types whose decoder layer is plain Llama math: RMSNorm (weight * x / rms), rotary over the
-# whole head, a SiLU gate/up/down MLP; Qwen3 adds an RMSNorm over each query and key head before the
-# rotary (LayerParts.q_norm / k_norm). Code that runs the layer math itself (the native decode
-# step) takes only these, through `ModelAdapter.layer_parts`.
-PLAIN_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# whole head, a gate/up/down MLP (SiLU); Qwen3 adds an RMSNorm over each query and key head before the
+# rotary (LayerParts.q_norm / k_norm); Gemma 3 those too, an RMSNorm over the attention's and the
+# MLP's outputs before each residual add (attn_norm / mlp_norm), norms of (1 + weight) (LayerParts
+# holds 1 + weight), GELU (tanh), scaled embeddings (its own embedding module), and two rotary bases
+# (ModelAdapter.layer_rope_kinds). Code that runs the layer math itself (the native decode step)
+# takes only these, through `ModelAdapter.layer_parts`.
+PLAIN_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+PLAIN_ACTS = ("silu", "gelu_pytorch_tanh")      # the MLP activations of those
 
 
 @dataclass(slots=True, frozen=True)
 class LayerParts:
     """One decoder layer of a plain-Llama model as plain parts."""
 
-    input_norm: torch.Tensor        # RMSNorm weights
-    post_norm: torch.Tensor
+    input_norm: torch.Tensor        # RMSNorm weights (what x / rms is multiplied by)
+    post_norm: torch.Tensor         # before the MLP
     linears: tuple                  # the modules at LAYER_LINEARS, in that order
     scaling: float                  # attention score scale
     head_dim: int
     q_norm: torch.Tensor | None = None   # RMSNorm weights [head_dim] over each query / key head before
-    k_norm: torch.Tensor | None = None   # the rotary (Qwen3), or None
+    k_norm: torch.Tensor | None = None   # the rotary (Qwen3, Gemma 3), or None
+    attn_norm: torch.Tensor | None = None   # RMSNorm weights over the attention's / the MLP's output
+    mlp_norm: torch.Tensor | None = None    # before its residual add (Gemma 3), or None
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,6 +80,7 @@ class PlainLlama:
     intermediate: int
     rms_norm_eps: float
     final_norm: torch.Tensor
+    act: str = "silu"                # the MLP's activation (PLAIN_ACTS)
 
 
 # MKL's fp32 GEMM against a large fp32 lm_head takes a slow path for 8-15 rows: 8 rows cost about
@@ -215,23 +222,35 @@ class ModelAdapter:
         config = self.config
         if config.model_type not in PLAIN_LLAMA_TYPES:
             return None, f"model type {config.model_type!r} (plain Llama layers: {', '.join(PLAIN_LLAMA_TYPES)})"
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
-            return None, "needs a SiLU MLP without bias"
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in PLAIN_ACTS or getattr(config, "mlp_bias", False):
+            return None, f"needs a {' or '.join(PLAIN_ACTS)} MLP without bias (has {act})"
         if any(getattr(layer.self_attn, "head_dim", self.geometry.head_dim) != self.geometry.head_dim
                for layer in self.layers):
             return None, "attention head size differs from the KV geometry"
         return PlainLlama(config.hidden_size, config.num_attention_heads, config.intermediate_size,
-                          float(config.rms_norm_eps), self.norm.weight), None
+                          float(config.rms_norm_eps), self._norm_weight(self.norm), act), None
+
+    def _norm_weight(self, norm) -> torch.Tensor:
+        """What an RMSNorm module multiplies x / rms by: its weight, or Gemma's 1 + weight (float32,
+        as Gemma3RMSNorm computes it)."""
+        return 1.0 + norm.weight.float() if self.spec.family == "gemma3" else norm.weight
 
     def layer_parts(self, layer_idx: int) -> LayerParts:
         """Layer `layer_idx` of a plain-Llama model (check `plain_llama` first) as plain parts."""
         layer = self.layers[layer_idx]
         head_dim = self.geometry.head_dim
-        q_norm, k_norm = (getattr(getattr(layer.self_attn, name, None), "weight", None)
-                          for name in ("q_norm", "k_norm"))
-        return LayerParts(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+        q_norm, k_norm = (getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm"))
+        weight = lambda norm: None if norm is None else self._norm_weight(norm)
+        if self.spec.family == "gemma3":        # post_attention_layernorm is over the attention's output
+            before_mlp, attn_norm, mlp_norm = (layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                                               layer.post_feedforward_layernorm)
+        else:
+            before_mlp, attn_norm, mlp_norm = layer.post_attention_layernorm, None, None
+        return LayerParts(weight(layer.input_layernorm), weight(before_mlp),
                           tuple(layer.get_submodule(name) for name in LAYER_LINEARS),
-                          float(getattr(layer.self_attn, "scaling", head_dim ** -0.5)), head_dim, q_norm, k_norm)
+                          float(getattr(layer.self_attn, "scaling", head_dim ** -0.5)), head_dim,
+                          weight(q_norm), weight(k_norm), weight(attn_norm), weight(mlp_norm))
 
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, lm_head (and final logit soft-capping where the model has it) on the last

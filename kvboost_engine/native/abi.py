@@ -10,6 +10,7 @@ import torch
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2}   # decode.cpp ScaleType
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}   # decode.cpp KvType
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}                        # decode.cpp Act: the MLP's activation
 NO_M = 3                                                         # ScaleType S_NONE: m not stored
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -23,26 +24,29 @@ class MatArgs(ctypes.Structure):
 
 
 class LayerArgs(ctypes.Structure):
-    """One decoder layer: its two RMSNorm weights, seven matrices, sliding window (0: none), and the
-    RMSNorm weights over each query and key head before the rotary (Qwen3; 0: none)."""
+    """One decoder layer: its two RMSNorm weights (before attention, before the MLP), seven
+    matrices, sliding window (0: none); the RMSNorm weights over each query and key head before the
+    rotary (Qwen3, Gemma 3; 0: none), over the attention's and the MLP's outputs before their
+    residual adds (Gemma 3; 0: none); which rotary of the row it takes (0: cos / sin, 1: cos2 / sin2)."""
     _fields_ = [("in_norm", P), ("post_norm", P), *((name, MatArgs) for name in MATRICES), ("window", I64),
-                ("q_norm", P), ("k_norm", P)]
+                ("q_norm", P), ("k_norm", P), ("attn_norm", P), ("mlp_norm", P), ("rope", I64)]
 
 
 class ModelArgs(ctypes.Structure):
-    """The whole model: sizes, the KV's element type (KV_TYPES), norm epsilon and attention scaling,
-    the layers, final norm and head."""
+    """The whole model: sizes, the KV's element type (KV_TYPES), the MLP's activation (ACTS), norm
+    epsilon and attention scaling, the layers, final norm and head."""
     _fields_ = [("layers", I32), ("hidden", I32), ("heads", I32), ("kv_heads", I32), ("head_dim", I32),
                 ("inter", I32), ("vocab", I32), ("exact_top", I32), ("threads", I32), ("kv_type", I32),
-                ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
+                ("act", I32), ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
                 ("stack", ctypes.POINTER(LayerArgs)), ("final_norm", P), ("head", MatArgs)]
 
 
 class Row(ctypes.Structure):
     """One token of a step: its sequence's KV ([2, layers, kv_heads, slots, head_dim]-shaped with
-    element strides st [4]), slot of every position, its position, rotary cos / sin at it, and
-    whether its logits are wanted."""
-    _fields_ = [("kv", P), ("st", P), ("slots", P), ("pos", I64), ("cos", P), ("sin", P), ("want", I64)]
+    element strides st [4]), slot of every position, its position, rotary cos / sin at it, whether
+    its logits are wanted, and the second rotary's cos / sin at it (layers with rope 1)."""
+    _fields_ = [("kv", P), ("st", P), ("slots", P), ("pos", I64), ("cos", P), ("sin", P), ("want", I64),
+                ("cos2", P), ("sin2", P)]
 
 
 def mat_args(mat: dict, hold) -> MatArgs:

@@ -1,4 +1,5 @@
-// One step of a Llama-family model (RMSNorm, rotary, grouped-query attention, SiLU MLP) over M
+// One step of a Llama-family model (RMSNorm, rotary, grouped-query attention, SiLU or GELU MLP; Qwen3's
+// and Gemma 3's q / k norms, Gemma 3's norms after attention and MLP and second rotary) over M
 // rows on CPU (x86-64: AVX512-VNNI, AVX-VNNI or AVX2, one library per instruction set; see "ISA
 // primitives"): a row is one token of a sequence over that sequence's KV, so a step
 // is one decode token of M sequences or a prompt chunk of one (all rows' K and V are written before
@@ -64,9 +65,12 @@ struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks
 
 struct Layer {
   const float* in_norm;
-  const float* post_norm;
+  const float* post_norm;           // before the MLP
   const float* q_norm;              // RMSNorm weights [head_dim] over each query / key head before the
-  const float* k_norm;              // rotary (Qwen3), or null
+  const float* k_norm;              // rotary (Qwen3, Gemma 3), or null
+  const float* attn_norm;           // RMSNorm weights over the attention's output and the MLP's, each
+  const float* mlp_norm;            // before its residual add (Gemma 3), or null
+  int rope;                         // 0: the row's cos / sin; 1: its second pair (Gemma 3's global layers)
   std::vector<QMat> qkv, gate_up;   // q, k, v (or one matrix of them stacked); gate, up (or stacked)
   QMat o, down;
   int window;                // 0: full attention; else keys with pos - window < k <= pos
@@ -785,6 +789,23 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+enum Act { ACT_SILU = 0, ACT_GELU_TANH = 1 };   // the MLP's activation (ModelArgs.act)
+
+// GELU (tanh approximation, PyTorch's gelu_pytorch_tanh)(g) * u over n values:
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(t) = 1 - 2 / (e^(2t) + 1) (2t capped at 80,
+// where tanh is 1 in float32)
+void gelu_tanh_mul(const float* g, const float* u, int n, float* out) {
+  constexpr float k = 0.7978845608028654f, c = 0.044715f;
+  int i = 0;
+  for (; i + VW <= n; i += VW) {
+    const vf gv = vload(g + i);
+    const vf t2 = vmin(vmul(vset1(2.f * k), vfma(vmul(vset1(c), gv), vmul(gv, gv), gv)), vset1(80.f));
+    const vf th = vsub(vset1(1.f), vdiv(vset1(2.f), vadd(vexp(t2), vset1(1.f))));
+    vstore(out + i, vmul(vmul(vmul(vset1(0.5f), gv), vadd(vset1(1.f), th)), vload(u + i)));
+  }
+  for (; i < n; ++i) out[i] = 0.5f * g[i] * (1.f + std::tanh(k * (g[i] + c * g[i] * g[i] * g[i]))) * u[i];
+}
+
 // The values of rows 0 .. RV of a task (their exp scores in sc, row r head h at (r H + h) KEY_BLOCK):
 // the s keys they share (slots) with each value row read once for the RV rows and H heads, then each
 // row's own keys s .. n[r] (own[r]). Each row's sums are those of the row alone (attend_heads: RV 1,
@@ -1148,11 +1169,14 @@ struct Row {
   const float* cos;          // rotary at pos [head_dim]
   const float* sin;
   int64_t want;              // 1: this row's logits are wanted (in order, in the step's logits [wanted][vocab])
+  const float* cos2;         // the second rotary at pos (layers with rope 1), or the first again
+  const float* sin2;
 };
 
 struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
   int kv_type = KV_F32;       // KvType of every row's KV
+  int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
   std::vector<Layer> stack;
@@ -1498,13 +1522,15 @@ struct Decoder {
       float* q = qkv.data() + static_cast<size_t>(r) * qkv_w;
       float* k = q + q_rows;
       float* v = k + kv_rows;
+      const float* cos = L.rope ? row.cos2 : row.cos;
+      const float* sin = L.rope ? row.sin2 : row.sin;
       for (int hd = 0; hd < heads; ++hd) {
         if (L.q_norm) rms_norm(q + hd * head_dim, L.q_norm, head_dim, eps, q + hd * head_dim);
-        rotate(q + hd * head_dim, row.cos, row.sin, head_dim);
+        rotate(q + hd * head_dim, cos, sin, head_dim);
       }
       for (int g = 0; g < kv_heads; ++g) {
         if (L.k_norm) rms_norm(k + g * head_dim, L.k_norm, head_dim, eps, k + g * head_dim);
-        rotate(k + g * head_dim, row.cos, row.sin, head_dim);
+        rotate(k + g * head_dim, cos, sin, head_dim);
         const int64_t at = l * row.st[1] + g * row.st[2] + row.slots[row.pos] * row.st[3];
         kv_put(row.kv, kv_type, at, k + g * head_dim, head_dim);
         kv_put(row.kv, kv_type, at + row.st[0], v + g * head_dim, head_dim);
@@ -1518,6 +1544,7 @@ struct Decoder {
     for (int r = id; r < M; r += n) {
       float* xr = x.data() + static_cast<size_t>(r) * hidden;
       float* hr = h.data() + static_cast<size_t>(r) * hw;
+      if (L.attn_norm) rms_norm(hr, L.attn_norm, hidden, eps, hr);
       for (int i = 0; i < hidden; ++i) xr[i] += hr[i];
       rms_norm(xr, L.post_norm, hidden, eps, hr);
       quantize_row(h.data(), hw, hidden, r);
@@ -1528,7 +1555,8 @@ struct Decoder {
     for (int r = id; r < M; r += n) {
       const float* mr = mlp.data() + static_cast<size_t>(r) * 2 * inter;
       float* ar = act.data() + static_cast<size_t>(r) * inter;
-      silu_mul(mr, mr + inter, inter, ar);
+      if (activation == ACT_GELU_TANH) gelu_tanh_mul(mr, mr + inter, inter, ar);
+      else silu_mul(mr, mr + inter, inter, ar);
       quantize_row(act.data(), inter, inter, r);
     }
     team.barrier(n);
@@ -1536,7 +1564,8 @@ struct Decoder {
     team.barrier(n);
     for (int r = id; r < M; r += n) {         // the next layer's first stage is this thread's rows too
       float* xr = x.data() + static_cast<size_t>(r) * hidden;
-      const float* hr = h.data() + static_cast<size_t>(r) * hw;
+      float* hr = h.data() + static_cast<size_t>(r) * hw;
+      if (L.mlp_norm) rms_norm(hr, L.mlp_norm, hidden, eps, hr);
       for (int i = 0; i < hidden; ++i) xr[i] += hr[i];
     }
   }
@@ -1620,10 +1649,14 @@ struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v 
   int64_t window;            // 0: full attention
   const float* q_norm;       // RMSNorm weights [head_dim] of each query / key head before the rotary, or null
   const float* k_norm;
+  const float* attn_norm;    // RMSNorm weights over the attention's / the MLP's output before the residual
+  const float* mlp_norm;     // add (Gemma 3), or null
+  int64_t rope;              // 0: the row's cos / sin; 1: cos2 / sin2
 };
 
 struct ModelArgs {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, kv_type;   // KvType
+  int32_t act;               // Act
   float eps, scaling;
   const LayerArgs* stack;    // [layers]
   const float* final_norm;
@@ -1639,7 +1672,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 11; }
+int kvb_abi_version() { return 12; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }
@@ -1654,7 +1687,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   auto* dec = new Decoder(args->threads);
   dec->layers = args->layers; dec->hidden = args->hidden; dec->heads = args->heads; dec->kv_heads = args->kv_heads;
   dec->head_dim = args->head_dim; dec->inter = args->inter; dec->vocab = args->vocab; dec->exact_top = args->exact_top;
-  dec->eps = args->eps; dec->scaling = args->scaling; dec->kv_type = args->kv_type;
+  dec->eps = args->eps; dec->scaling = args->scaling; dec->kv_type = args->kv_type; dec->activation = args->act;
   for (int l = 0; l < dec->layers; ++l) {
     const LayerArgs& a = args->stack[l];
     Layer L;
@@ -1662,6 +1695,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
     L.post_norm = a.post_norm;
     L.q_norm = a.q_norm;
     L.k_norm = a.k_norm;
+    L.attn_norm = a.attn_norm;
+    L.mlp_norm = a.mlp_norm;
+    L.rope = static_cast<int>(a.rope);
     for (const MatArgs* part : {&a.q, &a.k, &a.v}) if (part->rows) L.qkv.push_back(qmat(*part));
     for (const MatArgs* part : {&a.gate, &a.up}) if (part->rows) L.gate_up.push_back(qmat(*part));
     L.o = qmat(a.o);

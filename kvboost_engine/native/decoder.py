@@ -26,7 +26,9 @@ KV is float32, float16 / bfloat16 or int8 (EngineConfig.kv_dtype): the step read
 rounded to nearest even, or quantized per block of 32), the same bytes for the same values.
 
 Supported: the Llama layout with RMSNorm, full rotary and SiLU (llama, mistral, qwen2 model
-types; qwen3 with its RMSNorm over each query and key head before the rotary), float32, and
+types; qwen3 with its RMSNorm over each query and key head before the rotary; gemma3_text with
+those, its norms after attention and MLP, GELU (tanh), and a second rotary for its global layers,
+its final logit soft-cap applied to the step's logits as the PyTorch path applies it), float32, and
 either every decoder linear layer in int4 with the head in int8 (`weights="int4"`), or every one
 of them in float32, or every one of them packed.
 """
@@ -85,8 +87,8 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
     head = adapter.lm_head
     if kind == "int4" and (head.out_features % TILE or head.in_features % BLOCK):
         return "the output head's shape is not a multiple of 16 rows x 32 columns"
-    if adapter.final_softcap is not None:
-        return "final logit soft-capping"
+    if len(set(adapter.layer_rope_kinds)) > 2:
+        return "more than two rotary kinds"
     return None
 
 
@@ -107,8 +109,10 @@ class NativeDecoder:
         # why prompt chunks of more than one token take the PyTorch loop, not prefill() (None: they do not)
         self.prefill_off = float_prefill_off() if self.kind == "float" else None
         parts = [adapter.layer_parts(i) for i in range(len(adapter.layers))]
+        # the rotary kinds of the layers (Gemma 3: local and global bases), in a row's cos / sin order
+        self._kinds = list(dict.fromkeys(adapter.layer_rope_kinds))
         stack = (abi.LayerArgs * len(parts))()
-        for layer, args, window in zip(parts, stack, adapter.layer_windows):
+        for layer, args, window, kind in zip(parts, stack, adapter.layer_windows, adapter.layer_rope_kinds):
             if self.kind == "int4":
                 q, k, v, o, gate, up, down = layer.linears
                 mats = [joined([q, k, v], 4), ABSENT, ABSENT, joined([o], 4), joined([gate, up], 4), ABSENT,
@@ -118,24 +122,27 @@ class NativeDecoder:
             else:
                 mats = [float_matrix(m) for m in layer.linears]
             args.in_norm, args.post_norm = self._hold(layer.input_norm.float()), self._hold(layer.post_norm.float())
-            args.q_norm, args.k_norm = (0 if w is None else self._hold(w.float()) for w in (layer.q_norm, layer.k_norm))
+            args.q_norm, args.k_norm, args.attn_norm, args.mlp_norm = (
+                0 if w is None else self._hold(w.float()) for w in (layer.q_norm, layer.k_norm, layer.attn_norm, layer.mlp_norm))
             for name, mat in zip(abi.MATRICES, mats):
                 setattr(args, name, abi.mat_args(mat, self._hold))
             args.window = window or 0
+            args.rope = self._kinds.index(kind)
         head = {"int4": lambda h: joined([h], 8), "packed": packed, "float": float_matrix}[self.kind](adapter.lm_head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
         model = abi.ModelArgs(len(parts), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,
-                              self.vocab, self.exact_top, threads, abi.KV_TYPES[g.dtype], plain.rms_norm_eps,
+                              self.vocab, self.exact_top, threads, abi.KV_TYPES[g.dtype], abi.ACTS[plain.act],
+                              plain.rms_norm_eps,
                               parts[0].scaling, stack, self._hold(plain.final_norm.float()),
                               abi.mat_args(head, self._hold))
         self._handle = lib.kvb_decoder_new(ctypes.byref(model))
         self._embed_native = embeds_from_head(adapter, self.kind)
         self.threads = threads
         self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
-        rope = str(adapter.rope_settings().get("rope_type", "default"))
-        self._static_rope = rope in STATIC_ROPE
-        self._cos = self._sin = None
+        self._static_rope = all(str(params.get("rope_type", "default")) in STATIC_ROPE
+                                for _, params in adapter.rope_kinds().values())
+        self._tables = None                                   # per kind: cos, sin [positions, head_dim]
         self._strides = {}
 
     @property
@@ -148,17 +155,18 @@ class NativeDecoder:
         self._keep.append(tensor)
         return tensor.data_ptr()
 
-    def _rotary(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [head_dim] at `position`, from the model's own rotary module."""
+    def _rotary(self, position: int) -> list[torch.Tensor]:
+        """cos, sin [head_dim] at `position` of each rotary kind (in self._kinds order), from the
+        model's own rotary module."""
         a = self.adapter
         if not self._static_rope:
-            cos, sin = a.position_embeddings(torch.zeros(1, 1, 1), torch.tensor([[position]]))[None]
-            return cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
-        if self._cos is None or position >= self._cos.shape[0]:
+            tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.tensor([[position]]))
+            return [t[0, 0].float().contiguous() for kind in self._kinds for t in tables[kind]]
+        if self._tables is None or position >= self._tables[0].shape[0]:
             end = (position // ROPE_TABLE + 1) * ROPE_TABLE
-            cos, sin = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(end)[None])[None]
-            self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        return self._cos[position], self._sin[position]
+            tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(end)[None])
+            self._tables = [t[0].float().contiguous() for kind in self._kinds for t in tables[kind]]
+        return [t[position] for t in self._tables]
 
     def _view(self, kv, position: int):
         view = kv.slot_view() if hasattr(kv, "slot_view") else None
@@ -178,10 +186,11 @@ class NativeDecoder:
         strides = self._strides.get(ram.stride())
         if strides is None:
             strides = self._strides[ram.stride()] = _longs(ram.stride()[:4])
-        cos, sin = self._rotary(position)
-        keep += (cos, sin)
+        tables = self._rotary(position)                          # cos, sin of each kind
+        keep += tables
+        cos, sin, cos2, sin2 = (tables * 2)[:4]                 # one kind: its pair twice
         return abi.Row(ram.data_ptr(), ctypes.addressof(strides), slots.data_ptr(), position, cos.data_ptr(),
-                    sin.data_ptr(), int(want))
+                       sin.data_ptr(), int(want), cos2.data_ptr(), sin2.data_ptr())
 
     def _step(self, rows: list[tuple], token_ids: list[int]) -> torch.Tensor:
         """One native step: rows (KV view, position, logits wanted) with their tokens -> the wanted
@@ -191,7 +200,8 @@ class NativeDecoder:
         x = self._embed(token_ids)
         logits = torch.empty(sum(bool(want) for *_, want in rows), self.vocab, dtype=torch.float32)
         self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
-        return logits
+        cap = self.adapter.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap      # as ModelAdapter.logits_at
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         """The tokens' input embeddings [M, hidden] (float32): decoded natively from the packed head
