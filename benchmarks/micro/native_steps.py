@@ -8,6 +8,10 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
   1.7b     q4_0    Engine.from_pretrained(<the random SmolLM2-1.7B-shape Q4_0 GGUF>)
   qwen3-1.7b q4_0  Engine.from_pretrained(<the random Qwen3-1.7B-shape Q4_0 GGUF>)   (q/k norms, head_dim
                    128, a 151,936-row tied head; not in the default --model list)
+  gemma3   fp32    Engine.from_pretrained("gemma3-270m")          (Gemma 3 270M base, float32: the default)
+           int4    Engine.from_pretrained("gemma3-270m", weights="int4")
+           q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; not in the default list)
+           q4_0    Engine.from_pretrained(<that file requantized to Q4_0>)
 Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked).
 
 Ours:
@@ -59,7 +63,8 @@ from pathlib import Path
 from ..gguf_models import home, model_file, tools_dir
 from .gguf import PROMPT, _timed, _vm_kib
 
-CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",), "qwen3-1.7b": ("q4_0",)}
+CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",), "qwen3-1.7b": ("q4_0",),
+           "gemma3": ("fp32", "int4", "q4_k_m", "q4_0")}
 
 
 def context_ids(tokenizer, n: int) -> list[int]:
@@ -72,10 +77,11 @@ def context_ids(tokenizer, n: int) -> list[int]:
 def load(model: str, config: str, cache: bool, kv_dtype: str = ""):
     from kvboost_engine import Engine
     options = ({} if cache else {"cache_bytes": 0}) | ({"kv_dtype": kv_dtype} if kv_dtype else {})
+    source = "gemma3-270m" if model == "gemma3" else None
     if config == "fp32":
-        return Engine.from_pretrained(**options)
+        return Engine.from_pretrained(source, **options)
     if config == "int4":
-        return Engine.from_pretrained(weights="int4", **options)
+        return Engine.from_pretrained(source, weights="int4", **options)
     return Engine.from_pretrained(str(model_file(model, config)), **options)
 
 

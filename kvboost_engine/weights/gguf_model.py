@@ -41,7 +41,7 @@ from .packed import PackedEmbedding, PackedLinear
 
 PACK_VERSION = "gguf-pack-1"
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3")   # the native step runs them as stored (decoder.py's model types)
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")   # the native step runs them as stored (decoder.py)
 FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
 REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes at most (Q6_K: 9 bits a weight for 6.56)
 EXACT_TOP = 8                   # head rows whose logits the native step recomputes in float (as weights="int4")
@@ -56,8 +56,8 @@ def is_packed_dir(path: Path) -> bool:
 
 def stored_by_default(gguf_path: Path, native: bool = True) -> bool:
     """Whether a .gguf given without `weights` loads as stored. Yes where the native step runs the
-    architecture (llama, mistral, qwen2, qwen3: as stored is smaller and faster there) and, `native`,
-    can run on this machine at all. Otherwise (Gemma 3; any file on a CPU without the native step)
+    architecture (llama, mistral, qwen2, qwen3, gemma3: as stored is smaller and faster there) and,
+    `native`, can run on this machine at all. Otherwise (any file on a CPU without the native step)
     as stored runs the PyTorch layer loop, which decodes every matrix on every forward (seconds a
     token), so it loads as float32, dequantized once, unless that copy would not fit the memory
     available: then as stored is the only way to run it. weights="gguf" / "fp32" choose."""
