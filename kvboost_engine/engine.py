@@ -100,9 +100,9 @@ class Engine:
         `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
 
         `weights`: None keeps the weights as stored where the native step runs them: a llama /
-        mistral / qwen2 / qwen3 .gguf on CPU in float32 runs its own 4/8-bit numbers (repacked once
-        into the native layout, mapped; no float copy); Gemma 3 files, and any file on a CPU where
-        the native step cannot run, load as float32 unless that copy would not fit. "gguf": as
+        mistral / qwen2 / qwen3 / gemma3 .gguf on CPU in float32 runs its own 4/8-bit numbers (repacked
+        once into the native layout, mapped; no float copy); any file on a CPU where the native
+        step cannot run loads as float32 unless that copy would not fit. "gguf": as
         stored (also the default and named models, else exact float32); "fp32" dequantizes.
         From float: "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head); int4/int8 are
         converted tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats
