@@ -36,6 +36,11 @@ Run alone on a quiet machine (about 12 minutes on 2 cores for the defaults), wit
 With float16 KV (EngineConfig.kv_dtype; llama.cpp keeps f16 KV by default), our sections only:
   python -m benchmarks.micro.batching --kv-dtype float16 --sections levels,unshared \
       --out benchmarks/results/batching_f16kv.json
+Completion mode (--completion; a base model without a chat template, Gemma 3 270M): each chat is the
+plain prompt "<system>\n\nQuestion: <question>\nAnswer:" through engine.stream / generate, the system
+text warmed as a plain prefix; levels and unshared only:
+  python -m benchmarks.micro.batching --weights "" --gguf <Gemma 3's Q4_0 GGUF> --completion \
+      --sections levels,unshared,llama --out benchmarks/results/batching_gemma3.json
 Smoke: python -m benchmarks.micro.batching --smoke --sections levels,unshared,llama
 """
 from __future__ import annotations
@@ -60,11 +65,30 @@ NEW_TOKENS = 64
 SYSTEM_TOKENS = 1000
 PAIRS = 3
 ENGINE_OPTIONS: dict = {}                   # every engine's options (--kv-dtype)
+COMPLETION = False                         # plain prompts, not chats (--completion)
 QUESTIONS = [f"Question {i}: what does record {i * 7} say, and which hall is it from?" for i in range(16)]
 
 
-def chats(system: str, n: int) -> list[list[dict]]:
-    return [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS[:n]]
+def chats(system: str, n: int) -> list:
+    return [one_chat(system, q) for q in QUESTIONS[:n]]
+
+
+def one_chat(system: str, question: str):
+    """Messages, or with --completion one plain prompt (a base model has no chat template)."""
+    if COMPLETION:
+        return f"{system}\n\nQuestion: {question}\nAnswer:"
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def system_part(system: str):
+    """What engine.warm caches: the system message, or the plain prefix (--completion)."""
+    return system if COMPLETION else [{"role": "system", "content": system}]
+
+
+def prompt_tokens(tokenizer, conversation) -> int:
+    if COMPLETION:
+        return len(tokenizer(conversation)["input_ids"])
+    return len(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def distinct_text(k: int, tokens_wanted: int, tokenizer) -> str:
@@ -84,7 +108,9 @@ def wave(engine: Engine, conversations: list, new_tokens: int = NEW_TOKENS) -> d
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        stream = engine.stream_chat(conversations[i], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        c = conversations[i]
+        stream = (engine.stream if isinstance(c, str) else engine.stream_chat)(c, max_new_tokens=new_tokens,
+                                                                              min_new_tokens=new_tokens)
         last, mine = time.perf_counter(), []
         for _ in stream:
             now = time.perf_counter()
@@ -137,14 +163,14 @@ def paired_at_8(engine: Engine, conversations: list, pairs: int) -> dict:
 def section_levels(model, tokenizer) -> dict:
     system = long_text(SYSTEM_TOKENS, tokenizer)
     engine = Engine(model, tokenizer, **ENGINE_OPTIONS)
-    engine.warm([{"role": "system", "content": system}])
+    engine.warm(system_part(system))
     serial = [wave(engine, [c]) for c in chats(system, 8)]
     serial_tok_s = sum(w["tokens"] for w in serial) / sum(w["wall_s"] for w in serial)
     reference = [w["gens"][0].token_ids for w in serial]
     steps: list[float] = []
     on = lambda e: steps.append(e.seconds) if isinstance(e, ForwardEvent) and e.kind == "decode" else None
     with engine.instruments.subscribe(on):
-        engine.chat(chats(system, 1)[0], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        wave(engine, chats(system, 1))
     step_1 = statistics.median(steps)
     rows, steps_8 = [], []
     on_8 = lambda e: steps_8.append(e.seconds) if isinstance(e, ForwardEvent) and e.sequences == 8 == e.tokens else None
@@ -181,14 +207,12 @@ def section_levels(model, tokenizer) -> dict:
 
 def section_unshared(model, tokenizer) -> dict:
     systems = [distinct_text(k, SYSTEM_TOKENS, tokenizer) for k in range(8)]
-    conversations = [[{"role": "system", "content": s}, {"role": "user", "content": q}]
-                     for s, q in zip(systems, QUESTIONS)]
+    conversations = [one_chat(s, q) for s, q in zip(systems, QUESTIONS)]
     engine = Engine(model, tokenizer, **ENGINE_OPTIONS)
     for s in systems:
-        engine.warm([{"role": "system", "content": s}])
+        engine.warm(system_part(s))
     paired = paired_at_8(engine, conversations, PAIRS)
-    context = statistics.mean(len(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                                return_dict=False)) for c in conversations)
+    context = statistics.mean(prompt_tokens(tokenizer, c) for c in conversations)
     weight_bytes, kv_bytes = step_read_bytes(model), int((context + NEW_TOKENS / 2) * kv_bytes_per_token(engine))
     engine.close()
     return {**paired, "system_tokens_each": SYSTEM_TOKENS, "weight_read_bytes": weight_bytes,
@@ -286,10 +310,13 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-dtype", default="", help="our engines' KV element type (EngineConfig.kv_dtype: "
                         "float32, float16, bfloat16, int8; default: the model's dtype)")
     parser.add_argument("--out", default="benchmarks/results/batching.json")
+    parser.add_argument("--completion", action="store_true", help="plain prompts through engine.stream, not chats "
+                        "(a base model without a chat template; levels and unshared)")
     parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt; "
                         "llama-batched-bench on 16 prompt tokens and 4 new")
     args = parser.parse_args(argv)
-    global NEW_TOKENS, SYSTEM_TOKENS, PAIRS
+    global NEW_TOKENS, SYSTEM_TOKENS, PAIRS, COMPLETION
+    COMPLETION = args.completion
     if args.smoke:
         NEW_TOKENS, SYSTEM_TOKENS, PAIRS = 8, 100, 1
     if args.kv_dtype:
