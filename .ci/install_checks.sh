@@ -8,7 +8,12 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OLDEST_TRANSFORMERS=${OLDEST_TRANSFORMERS:-4.56.2}
-WORK=${KVBOOST_CI_WORK:-$(mktemp -d)}
+if [ -n "${KVBOOST_CI_WORK:-}" ]; then
+    WORK=$KVBOOST_CI_WORK
+else                    # a temporary folder of its own (3.8 GB of venvs): removed on exit, pass or fail
+    WORK=$(mktemp -d)
+    trap 'rm -rf "$WORK"' EXIT
+fi
 what=${1:-all}
 step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 timed() { local t=$SECONDS; "$@"; echo "   took $((SECONDS - t)) s"; }
