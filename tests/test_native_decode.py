@@ -189,6 +189,22 @@ def test_engine_uses_it_by_default_and_off_on_request(tmp_path, monkeypatch):
         Engine(phi3, tokenizer, cache_bytes=0, native_decode=True)
 
 
+@needs_cpu
+@no_gemma
+def test_engine_runs_gemma3_natively_with_the_pytorch_loops_greedy_tokens():
+    """Gemma 3 (window 16, global layers with their own base, soft-cap) takes the native step by
+    default, and its greedy tokens past the window are those of the PyTorch layer loop."""
+    from transformers import AutoTokenizer
+    from kvboost_engine.loading import default_model_dir
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    model = tiny_model("gemma3_text", seed=5, **WIDE)
+    native, loop = Engine(model, tokenizer, cache_bytes=0), Engine(model, tokenizer, cache_bytes=0, native_decode=False)
+    assert native.stats()["native_decode"] is True and loop.stats()["native_decode"] is False
+    prompt = "The archive keeps records of every hall, and each record names its hall. " * 2    # past the window
+    replies = [e.generate(prompt, max_new_tokens=12, min_new_tokens=12) for e in (native, loop)]
+    assert replies[0].prompt_tokens > 16 and replies[0].token_ids == replies[1].token_ids
+
+
 def test_no_compiler_means_the_pytorch_path(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
     monkeypatch.setattr(build, "_loaded", {})
