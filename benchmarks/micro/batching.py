@@ -323,6 +323,8 @@ def main(argv=None) -> None:
         ENGINE_OPTIONS["kv_dtype"] = args.kv_dtype
     names = [w for w in args.weights.split(",") if w] + (["gguf"] if args.gguf else [])
     sections = args.sections.split(",")
+    if args.completion and set(sections) - {*PER_WEIGHTS, "llama"}:
+        parser.error("--completion runs the levels, unshared and llama sections only")
     result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model"}
     for index, name in enumerate(names):
         wanted = [s for s in sections if s in SECTIONS and (s in PER_WEIGHTS or index == 0)]
