@@ -27,7 +27,8 @@ I8 = torch.int8
 # head_dim 32 (one scale a row), 64 (two) and 96 (a head size the kernels take by the generic path)
 HEADS = {"head32": {"num_attention_heads": 4, "num_key_value_heads": 2},
          "head64": {"num_attention_heads": 2, "num_key_value_heads": 1},
-         "head96": {"head_dim": 96, "num_attention_heads": 4, "num_key_value_heads": 2}}
+         "head96": {"head_dim": 96, "num_attention_heads": 4, "num_key_value_heads": 2},
+         "head512": {"head_dim": 512, "num_attention_heads": 2, "num_key_value_heads": 1}}   # attend_wide
 
 
 def _blocks_scale(rows: torch.Tensor) -> torch.Tensor:

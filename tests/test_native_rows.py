@@ -23,8 +23,11 @@ pytestmark = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
 
 ARCHS = [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}),
          ("llama", {"hidden_size": 64, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}),
-         ("qwen3", {})]
-ARCH_IDS = ["llama", "qwen2", "mistral-window", "head_dim", "qwen3-qk-norms"]
+         ("qwen3", {}),
+         # heads wider than attend_heads takes (decode.cpp attend_wide; Gemma's 256 on 8-float vectors):
+         # 512 is wide on every variant; 3 query heads per KV head take a pass of two and one of one
+         ("llama", {"hidden_size": 192, "head_dim": 512, "num_attention_heads": 3, "num_key_value_heads": 1})]
+ARCH_IDS = ["llama", "qwen2", "mistral-window", "head_dim", "qwen3-qk-norms", "wide-head"]
 if "gemma3_text" in SUPPORTED_ARCHITECTURES:      # transformers 5 only
     ARCHS.append(("gemma3_text", {}))
     ARCH_IDS.append("gemma3")

@@ -943,6 +943,77 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
   shared_values<KT, D, H, 1>(vbase, slots, n, &slots, &n, stride, sc, out);   // one row, all n keys in one run
 }
 
+// attend_heads for heads wider than attend_heads' registers hold (head_dim = D VW, D > 16 and a
+// multiple of 4: Gemma's 256 on 8-float vectors), D at run time: per key, every head's score is one
+// chain of FMAs over its query and the key row vector by vector, then vsum (keys taken in pairs);
+// values: a running sum per head and vector of columns in key order, taken 2 heads x 4 vectors of
+// columns at a time (registers) with the block's value rows read from cache once per pass. The
+// numbers of a head depend on its query and the block's keys only. Wide heads never share a task
+// (plan_for), so no other kernel need give the same numbers.
+template <int KT, int H>
+void attend_wide(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
+                 const typename KvElem<KT>::type* vbase, const int64_t* slots,
+                 int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
+  using E = typename KvElem<KT>::type;
+  const int D = head_dim / VW;
+  const int row_bytes = kv_row_bytes<KT>(head_dim);
+  auto ask = [&](const E* base, int j, int hint) __attribute__((always_inline)) {
+    const char* p = reinterpret_cast<const char*>(base + slots[j] * stride);
+    for (int b = 0; b < row_bytes; b += 64) {
+      if (hint == 0) _mm_prefetch(p + b, _MM_HINT_T0);
+      else _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+  };
+  constexpr int AHEAD = 4;                  // key rows asked for ahead (each D vectors: a KB or more)
+  for (int j = 0; j < std::min(n, AHEAD); ++j) ask(kbase, j, 0);
+  // keys j and j + 1 (the second of a pair, or j again past n: never stored) in one pass over the
+  // columns, each query vector loaded once for both
+  for (int j = 0; j < n; j += 2) {
+    const int j1 = std::min(j + 1, n - 1);
+    for (int a = j + AHEAD; a < std::min(n, j + AHEAD + 2); ++a) ask(kbase, a, 0);
+    for (int a = j; a <= j1; ++a) ask(vbase, a, 1);   // the value rows, into L2 for the passes below
+    const E* k0 = kbase + slots[j] * stride;
+    const E* k1 = kbase + slots[j1] * stride;
+    vf s0[H], s1[H];
+    for (int h = 0; h < H; ++h) s0[h] = s1[h] = vzero();
+    for (int c = 0; c < D; ++c) {
+      const vf x0 = kv_vec<KT>(k0, c, head_dim), x1 = kv_vec<KT>(k1, c, head_dim);
+      for (int h = 0; h < H; ++h) {
+        const vf qv = vload(q + h * head_dim + VW * c);
+        s0[h] = vfma(qv, x0, s0[h]);
+        s1[h] = vfma(qv, x1, s1[h]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      sc[h * KEY_BLOCK + j] = vsum(s0[h]) * scaling;
+      if (j + 1 < n) sc[h * KEY_BLOCK + j + 1] = vsum(s1[h]) * scaling;
+    }
+  }
+  for (int h = 0; h < H; ++h) block_softmax(sc + h * KEY_BLOCK, n, ml[h]);
+  auto pass = [&](auto pair, int h0, int c0) __attribute__((always_inline)) {
+    constexpr int P = decltype(pair)::value;   // heads in this pass (1 or 2)
+    vf acc[P][4];
+    for (int h = 0; h < P; ++h)
+      for (int c = 0; c < 4; ++c) acc[h][c] = vzero();
+    for (int j = 0; j < n; ++j) {
+      const E* v = vbase + slots[j] * stride;
+      vf vv[4];
+      for (int c = 0; c < 4; ++c) vv[c] = kv_vec<KT>(v, c0 + c, head_dim);
+      for (int h = 0; h < P; ++h) {
+        const vf w = vset1(sc[(h0 + h) * KEY_BLOCK + j]);
+        for (int c = 0; c < 4; ++c) acc[h][c] = vfma(w, vv[c], acc[h][c]);
+      }
+    }
+    for (int h = 0; h < P; ++h)
+      for (int c = 0; c < 4; ++c) vstore(out[h0 + h] + VW * (c0 + c), acc[h][c]);
+  };
+  for (int c0 = 0; c0 < D; c0 += 4) {
+    int h0 = 0;
+    for (; h0 + 2 <= H; h0 += 2) pass(std::integral_constant<int, 2>{}, h0, c0);
+    if (h0 < H) pass(std::integral_constant<int, 1>{}, h0, c0);
+  }
+}
+
 // f(std::integral_constant<int, B>) for each B in order: a loop whose index is a constant in its body
 template <int... B, typename F>
 inline void each_of(std::integer_sequence<int, B...>, F&& f) { (f(std::integral_constant<int, B>{}), ...); }
@@ -1281,6 +1352,14 @@ struct Decoder {
       }
     }
 #undef KVB_HEADS
+    if (head_dim == D * VW && D > 16 && D % 4 == 0) {
+      switch (count) {
+        case 1: return attend_wide<KT, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
+        case 2: return attend_wide<KT, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
+        case 3: return attend_wide<KT, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
+        default: return attend_wide<KT, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
+      }
+    }
     for (int h = 0; h < count; ++h) {         // other head sizes: one head at a time, in columns
       const float* qh = q + h * head_dim;
       float top = -INFINITY;
