@@ -140,6 +140,37 @@ def test_float_native_step_equals_the_pytorch_step_up_to_rounding(kv_factory, mo
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+# Configurations real checkpoints of these families use that the tiny defaults leave out
+VARIANTS = {
+    # Gemma 3 4B and up: linear RoPE scaling (factor 8) on the global layers, none on the local ones
+    "gemma3-linear-rope": ("gemma3_text", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}}),
+    # attention_bias=True: biases on q, k, v and o (o's is the one no other tested model has)
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
+}
+
+
+@needs_cpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_float_native_step_follows_scaled_rope_and_attention_biases(variant):
+    """The native step against the PyTorch step where the rotary of some layers is scaled, or the
+    attention carries biases (set to random values: a model starts them at zero)."""
+    model_type, overrides = VARIANTS[variant]
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        pytest.skip(f"{model_type} needs transformers 5")
+    model = varied_qk_norms(tiny_model(model_type, seed=5, **{**WIDE, **overrides}))
+    biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
+    assert len(biases) == (4 * len(model.model.layers) if "bias" in variant else 0)
+    with torch.no_grad():
+        for bias in biases:
+            bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(bias.numel()))
+    pairs, _, _ = _decode_both(model, _contiguous)
+    for n, (want, got) in enumerate(pairs):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (n, (got - want).abs().max())
+        assert int(got.argmax()) == int(want.argmax())
+
+
 @needs_cpu
 @pytest.mark.parametrize("weights", ["int4", "float"])
 def test_a_step_gives_the_same_numbers_on_any_number_of_threads(tmp_path, weights):
