@@ -24,11 +24,12 @@ from test_native_rows import SHARED_PROMPT, assert_rows_match_steps, make, share
 _CANNOT = build.cpu_reason() or (None if build.compiler() else "no C++ compiler")
 needs_cpu = pytest.mark.skipif(_CANNOT is not None, reason=str(_CANNOT))
 I8 = torch.int8
-# head_dim 32 (one scale a row), 64 (two) and 96 (a head size the kernels take by the generic path)
+# head_dim 32 (one scale a row), 64 (two), 96 (a head size the kernels take by the generic path) and 512
+# (wider than attend_heads takes: attend_wide)
 HEADS = {"head32": {"num_attention_heads": 4, "num_key_value_heads": 2},
          "head64": {"num_attention_heads": 2, "num_key_value_heads": 1},
          "head96": {"head_dim": 96, "num_attention_heads": 4, "num_key_value_heads": 2},
-         "head512": {"head_dim": 512, "num_attention_heads": 2, "num_key_value_heads": 1}}   # attend_wide
+         "head512": {"head_dim": 512, "num_attention_heads": 2, "num_key_value_heads": 1}}
 
 
 def _blocks_scale(rows: torch.Tensor) -> torch.Tensor:
