@@ -211,10 +211,11 @@ inline void dot_block(const uint8_t* wp, int /*half*/, const int32_t* const* xb,
   } else {
     for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(wp + j * 64);
   }
-  for (int r = 0; r < R; ++r) {
-    s[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) s[r] = _mm512_dpbusd_epi32(s[r], v[j], _mm512_set1_epi32(xb[r][j]));
-  }
+  // column chunk outer, rows inner: the R chains advance side by side (row after row, each row's 8
+  // dependent products kept a row's prompt-chunk GEMMs waiting on them: 1.7B-shape prefill 16 % slower)
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j)
+    for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], v[j], _mm512_set1_epi32(xb[r][j]));
 }
 
 // Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
@@ -347,10 +348,9 @@ inline void dot_block(const uint8_t* wp, int half, const int32_t* const* xb, vi*
       v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    s[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) s[r] = _mm256_dpbusd_avx_epi32(s[r], v[j], _mm256_set1_epi32(xb[r][j]));
-  }
+  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();   // chunks outer, as the AVX-512 one
+  for (int j = 0; j < 8; ++j)
+    for (int r = 0; r < R; ++r) s[r] = _mm256_dpbusd_avx_epi32(s[r], v[j], _mm256_set1_epi32(xb[r][j]));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS == 4) {
