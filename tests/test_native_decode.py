@@ -148,14 +148,18 @@ VARIANTS = {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}}),
     # attention_bias=True: biases on q, k, v and o (o's is the one no other tested model has)
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
+    # head_dim 56: the q / k RMSNorms end in a partial vector (AVX-512: 32 in pairs of vectors, 16 in
+    # one, 8 one by one), and the attention takes its generic path
+    "qwen3-head56": ("qwen3", {"head_dim": 56}),
 }
 
 
 @needs_cpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_float_native_step_follows_scaled_rope_and_attention_biases(variant):
-    """The native step against the PyTorch step where the rotary of some layers is scaled, or the
-    attention carries biases (set to random values: a model starts them at zero)."""
+def test_float_native_step_follows_scaled_rope_attention_biases_and_odd_heads(variant):
+    """The native step against the PyTorch step where the rotary of some layers is scaled, the
+    attention carries biases (set to random values: a model starts them at zero), or a head is no
+    whole number of vectors."""
     model_type, overrides = VARIANTS[variant]
     if model_type not in SUPPORTED_ARCHITECTURES:
         pytest.skip(f"{model_type} needs transformers 5")
