@@ -1145,6 +1145,15 @@ void attend_shared(const float* const* q, int R, int head_dim, const typename Kv
                    const typename KvElem<KT>::type* vbase, const int64_t* slots, int s, const int64_t* const* own,
                    const int* n, int64_t stride, float scaling, float* sc, float* kt, float* ps, float* const* out,
                    float* const* ml) {
+  // Each row's own keys and values (a short run per sequence, past the prompt it shares) asked into L2
+  // while the shared keys are scored: asked for only when their scores began, each row's run waited on
+  // memory (in an 8-row decode step over a shared prompt, 8.0 K -> 2.3 K TSC cycles per task for the
+  // rows' own keys; the step 0.6-1.1 % faster in paired runs; the 1.7B shape 0.2 %).
+  for (int r = 0; r < R; ++r)
+    if (n[r] > s) {
+      prefetch_rows<KT, D, _MM_HINT_T1>(kbase, own[r], stride, s, n[r]);
+      prefetch_rows<KT, D, _MM_HINT_T1>(vbase, own[r], stride, s, n[r]);
+    }
   shared_scores<KT, D, H>(q, R, head_dim, kbase, vbase, slots, stride, 0, s, scaling, sc, kt, ps);
   for (int r = 0; r < R; ++r)
     if (n[r] > s) shared_scores<KT, D, H>(q + r, 1, head_dim, kbase, vbase, own[r], stride, s, n[r], scaling,
