@@ -248,3 +248,37 @@ def test_shared_tasks_at_wider_shapes_match_steps(shape, kv_dtype):
             want = [decoder(kv, t, p + step) for kv, t, p in zip(serial, tokens, positions)]
             got = decoder.decode_rows([(kv, t, p + step) for kv, t, p in zip(batch, tokens, positions)])
             assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_kv_requests_ahead_on_or_off_give_the_same_numbers(tmp_path, monkeypatch, weights):
+    """One-row attention asks for KV rows ahead or not by CPU (decoder.kv_ahead; $KVBOOST_NATIVE_KV_AHEAD
+    decides here): prefetches only, so steps over a context of more than one key block give the same
+    logits bit for bit either way."""
+    from kvboost_engine.native import decoder as native_module
+    from kvboost_engine.wiring import native_stats
+    model = make(weights, "llama", {}, tmp_path)
+    adapter = ModelAdapter(model)
+    decoders = {}
+    for ahead in ("1", "0"):
+        monkeypatch.setenv(native_module.KV_AHEAD_ENV, ahead)
+        decoders[ahead], reason = native_decoder(adapter, threads=2)
+        assert decoders[ahead] is not None, reason
+        assert decoders[ahead].kv_ahead is (ahead == "1")
+        assert native_stats(decoders[ahead], None)["native_kv_ahead"] is (ahead == "1")     # stats() says which
+    from kvboost_engine.kv.paged import PagedSequence
+    from kvboost_engine.kv.pool import BlockPool
+    pool = BlockPool(adapter.geometry, 64 * 1024 * 1024, adapter.device, block_tokens=4)
+    kvs = {}
+    for ahead in decoders:
+        kvs[ahead] = PagedSequence(pool, len(SHARED_PROMPT) + 8)
+        kvs[ahead].reserve()
+    with torch.inference_mode():
+        for ahead, kv in kvs.items():
+            decoders[ahead].prefill(kv, SHARED_PROMPT, 0)
+        for step in range(3):
+            at = len(SHARED_PROMPT) + step
+            on, off = (decoders[a](kvs[a], 20 + step, at) for a in ("1", "0"))
+            assert torch.equal(on, off)
+    n = len(SHARED_PROMPT) + 3
+    assert all(torch.equal(a, b) for a, b in zip(_kv_state(kvs["1"], adapter, n), _kv_state(kvs["0"], adapter, n)))

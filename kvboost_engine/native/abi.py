@@ -33,11 +33,12 @@ class LayerArgs(ctypes.Structure):
 
 
 class ModelArgs(ctypes.Structure):
-    """The whole model: sizes, the KV's element type (KV_TYPES), the MLP's activation (ACTS), norm
-    epsilon and attention scaling, the layers, final norm and head."""
+    """The whole model: sizes, the KV's element type (KV_TYPES), the MLP's activation (ACTS), whether
+    one-row attention asks for KV rows ahead (kv_ahead: decoder.kv_ahead), norm epsilon and attention
+    scaling, the layers, final norm and head."""
     _fields_ = [("layers", I32), ("hidden", I32), ("heads", I32), ("kv_heads", I32), ("head_dim", I32),
                 ("inter", I32), ("vocab", I32), ("exact_top", I32), ("threads", I32), ("kv_type", I32),
-                ("act", I32), ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
+                ("act", I32), ("kv_ahead", I32), ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
                 ("stack", ctypes.POINTER(LayerArgs)), ("final_norm", P), ("head", MatArgs)]
 
 

@@ -892,6 +892,8 @@ inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, i
   for (int j = first; j < end; ++j) prefetch_bytes<HINT>(base + slots[j] * stride, kv_row_bytes<KT>(D * VW));
 }
 
+constexpr int SHORT_RUN = 64;   // keys at most in a one-row block whose KV is asked for ahead on every CPU
+                                // (Decoder::kv_ahead): too short a run for the hardware prefetchers
 constexpr int KEYS_AHEAD = 2 * 16;   // key rows asked for ahead of the scores in use (the KV of a long
                                      // context streamed at well under the weights' rate without it)
 
@@ -926,17 +928,26 @@ inline void block_softmax(float* sh, int n, float* ml) {
 // vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
 // key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
 // a head depend on its query and the block's keys only.
+//
+// ask: the key rows KEYS_AHEAD on and each group's value rows are asked for ahead of their use (prefetch
+// only: the same numbers either way). Where it pays depends on the CPU and the run (Decoder::kv_ahead,
+// SHORT_RUN): on an Intel Xeon it took a 1-row step at a 1k context from 6.3 to 4.8 ms; on an AMD Zen 4
+// the requests made a block's KV stream slower than the hardware prefetchers alone (a harness of this
+// kernel over 512 MB of KV, 2 threads, blocks of 256 keys: 11.6 against 6.6 us a block), while a run of
+// 40 keys, too short for them, still gained (2.2 against 2.5 us; 64 keys: even).
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
-                  int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
+                  int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml, bool ask) {
   using E = typename KvElem<KT>::type;
-  prefetch_rows<KT, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
+  if (ask) prefetch_rows<KT, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
   for (int i = 0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
     // the keys KEYS_AHEAD on, and this group's values (summed once the block's scores are done)
-    prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
-    prefetch_rows<KT, D, _MM_HINT_T1>(vbase, slots, stride, i, i + cnt);
+    if (ask) {
+      prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
+      prefetch_rows<KT, D, _MM_HINT_T1>(vbase, slots, stride, i, i + cnt);
+    }
     // A last, partial group scores its last key again in the lanes past cnt (never stored): lane j
     // of vsum_lanes depends on p[j] only, so the kept lanes are those of a full group, and the
     // loop has no branch per key.
@@ -1274,6 +1285,7 @@ struct Row {
 struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
   int kv_type = KV_F32;       // KvType of every row's KV
+  bool kv_ahead = true;       // one-row attention asks for KV rows ahead in every block, not only short ones (attend_heads, SHORT_RUN)
   int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
@@ -1360,13 +1372,14 @@ struct Decoder {
       out[h] = part_o.data() + static_cast<size_t>(task0 + h * nb) * head_dim;
       ml[h] = part_ml.data() + 2 * static_cast<size_t>(task0 + h * nb);
     }
+    const bool ask = kv_ahead || n <= SHORT_RUN;   // (attend_heads' ask)
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                      \
     switch (count) {                                                                                       \
-      case 1: return attend_heads<KT, DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
-      case 2: return attend_heads<KT, DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
-      case 3: return attend_heads<KT, DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
-      default: return attend_heads<KT, DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml); \
+      case 1: return attend_heads<KT, DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
+      case 2: return attend_heads<KT, DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
+      case 3: return attend_heads<KT, DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
+      default: return attend_heads<KT, DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
     }
     if (head_dim == D * VW) {
       switch (D) {
@@ -1763,6 +1776,7 @@ struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v 
 struct ModelArgs {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, kv_type;   // KvType
   int32_t act;               // Act
+  int32_t kv_ahead;          // 1: one-row attention asks for KV rows ahead of their use (attend_heads)
   float eps, scaling;
   const LayerArgs* stack;    // [layers]
   const float* final_norm;
@@ -1778,7 +1792,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 12; }
+int kvb_abi_version() { return 13; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }
@@ -1794,6 +1808,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->layers = args->layers; dec->hidden = args->hidden; dec->heads = args->heads; dec->kv_heads = args->kv_heads;
   dec->head_dim = args->head_dim; dec->inter = args->inter; dec->vocab = args->vocab; dec->exact_top = args->exact_top;
   dec->eps = args->eps; dec->scaling = args->scaling; dec->kv_type = args->kv_type; dec->activation = args->act;
+  dec->kv_ahead = args->kv_ahead != 0;
   for (int l = 0; l < dec->layers; ++l) {
     const LayerArgs& a = args->stack[l];
     Layer L;
