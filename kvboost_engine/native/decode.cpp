@@ -893,7 +893,8 @@ inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, i
 }
 
 constexpr int SHORT_RUN = 64;   // keys at most in a one-row block whose KV is asked for ahead on every CPU
-                                // (Decoder::kv_ahead): too short a run for the hardware prefetchers
+                                // (Decoder::kv_ahead, attend_heads' ask): too short a run for the hardware
+                                // prefetchers
 constexpr int KEYS_AHEAD = 2 * 16;   // key rows asked for ahead of the scores in use (the KV of a long
                                      // context streamed at well under the weights' rate without it)
 
@@ -933,8 +934,9 @@ inline void block_softmax(float* sh, int n, float* ml) {
 // only: the same numbers either way). Where it pays depends on the CPU and the run (Decoder::kv_ahead,
 // SHORT_RUN): on an Intel Xeon it took a 1-row step at a 1k context from 6.3 to 4.8 ms; on an AMD Zen 4
 // the requests made a block's KV stream slower than the hardware prefetchers alone (a harness of this
-// kernel over 512 MB of KV, 2 threads, blocks of 256 keys: 11.6 against 6.6 us a block), while a run of
-// 40 keys, too short for them, still gained (2.2 against 2.5 us; 64 keys: even).
+// kernel over 512 MB of KV, 2 threads, blocks of 256 keys, 3 heads: 12.4 against 9.0 us a block; 2 heads
+// 11.2 against 7.6), while a run of 40 keys, too short for them, still gained (2.2 against 2.5 us; 64
+// keys: even), and so did one head per KV head (10.6 against 12.3 us; the SmolLM2-1.7B shape's step).
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
@@ -1285,7 +1287,8 @@ struct Row {
 struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
   int kv_type = KV_F32;       // KvType of every row's KV
-  bool kv_ahead = true;       // one-row attention asks for KV rows ahead in every block, not only short ones (attend_heads, SHORT_RUN)
+  bool kv_ahead = true;       // one-row attention asks for KV rows ahead in every block (else only in short
+                             // runs and for one head per KV head: attend_heads' ask)
   int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
@@ -1372,7 +1375,7 @@ struct Decoder {
       out[h] = part_o.data() + static_cast<size_t>(task0 + h * nb) * head_dim;
       ml[h] = part_ml.data() + 2 * static_cast<size_t>(task0 + h * nb);
     }
-    const bool ask = kv_ahead || n <= SHORT_RUN;   // (attend_heads' ask)
+    const bool ask = kv_ahead || n <= SHORT_RUN || count == 1;   // (attend_heads' ask)
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                      \
     switch (count) {                                                                                       \
