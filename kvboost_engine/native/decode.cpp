@@ -895,8 +895,9 @@ inline void prefetch_rows(const E* base, const int64_t* slots, int64_t stride, i
 constexpr int SHORT_RUN = 64;   // keys at most in a one-row block whose KV is asked for ahead on every CPU
                                 // (Decoder::kv_ahead, attend_heads' ask): too short a run for the hardware
                                 // prefetchers
-constexpr int KEYS_AHEAD = 2 * 16;   // key rows asked for ahead of the scores in use (the KV of a long
-                                     // context streamed at well under the weights' rate without it)
+constexpr int KEYS_AHEAD = 2 * 16;   // key rows asked for ahead of the scores in use (on an Intel Xeon the KV
+                                     // of a long context streamed at well under the weights' rate without
+                                     // it; where one-row attention asks: attend_heads' ask)
 
 // One head's n scores of a block (sh) -> exp(score - top) in place; ml = top, their sum.
 inline void block_softmax(float* sh, int n, float* ml) {
@@ -1288,7 +1289,7 @@ struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
   int kv_type = KV_F32;       // KvType of every row's KV
   bool kv_ahead = true;       // one-row attention asks for KV rows ahead in every block (else only in short
-                             // runs and for one head per KV head: attend_heads' ask)
+                             // runs and for one query head per KV head: attend_heads' ask)
   int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
@@ -1779,7 +1780,8 @@ struct LayerArgs {           // one decoder layer: q holds q, k, v when k and v 
 struct ModelArgs {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, kv_type;   // KvType
   int32_t act;               // Act
-  int32_t kv_ahead;          // 1: one-row attention asks for KV rows ahead of their use (attend_heads)
+  int32_t kv_ahead;          // 1: one-row attention asks for KV rows ahead in every block (0: only in short
+                             // runs and for one query head per KV head; Decoder::kv_ahead)
   float eps, scaling;
   const LayerArgs* stack;    // [layers]
   const float* final_norm;
