@@ -937,7 +937,8 @@ inline void block_softmax(float* sh, int n, float* ml) {
 // the requests made a block's KV stream slower than the hardware prefetchers alone (a harness of this
 // kernel over 512 MB of KV, 2 threads, blocks of 256 keys, 3 heads: 12.4 against 9.0 us a block; 2 heads
 // 11.2 against 7.6), while a run of 40 keys, too short for them, still gained (2.2 against 2.5 us; 64
-// keys: even), and so did one head per KV head (10.6 against 12.3 us; the SmolLM2-1.7B shape's step).
+// keys: even), and so did one head per KV head (10.6 against 12.3 us; the SmolLM2-1.7B shape's step) and
+// int8 KV (the default int4 step of 1 row 5-11 % slower without them, paired; float16 KV 1-5 % faster).
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
@@ -1289,7 +1290,7 @@ struct Decoder {
   int layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top;
   int kv_type = KV_F32;       // KvType of every row's KV
   bool kv_ahead = true;       // one-row attention asks for KV rows ahead in every block (else only in short
-                             // runs and for one query head per KV head: attend_heads' ask)
+                             // runs, for one query head per KV head and over int8 KV: attend_heads' ask)
   int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
   float eps, scaling;
@@ -1376,7 +1377,7 @@ struct Decoder {
       out[h] = part_o.data() + static_cast<size_t>(task0 + h * nb) * head_dim;
       ml[h] = part_ml.data() + 2 * static_cast<size_t>(task0 + h * nb);
     }
-    const bool ask = kv_ahead || n <= SHORT_RUN || count == 1;   // (attend_heads' ask)
+    const bool ask = kv_ahead || n <= SHORT_RUN || count == 1 || KT == KV_I8;   // (attend_heads' ask)
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                      \
     switch (count) {                                                                                       \
@@ -1781,7 +1782,7 @@ struct ModelArgs {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, exact_top, threads, kv_type;   // KvType
   int32_t act;               // Act
   int32_t kv_ahead;          // 1: one-row attention asks for KV rows ahead in every block (0: only in short
-                             // runs and for one query head per KV head; Decoder::kv_ahead)
+                             // runs, for one query head per KV head and over int8 KV; Decoder::kv_ahead)
   float eps, scaling;
   const LayerArgs* stack;    // [layers]
   const float* final_norm;

@@ -73,8 +73,8 @@ def kv_ahead() -> bool:
     numbers either way). Yes except on AMD CPUs: on a 2-core Intel Xeon it made a 1-row step at a 1k
     context 24 % faster; on a 2-core AMD Zen 4 the hardware prefetchers alone stream the KV faster
     (the default int4 step 7-10 % faster at 1 row and 12-15 % at 8 rows with nothing shared without
-    it, in paired runs), so there only runs of 64 keys or fewer and one query head per KV head ask
-    (decode.cpp attend_block). $KVBOOST_NATIVE_KV_AHEAD=1 / 0 decides instead. Rows that share a key
+    it, in paired runs), so there only runs of 64 keys or fewer, one query head per KV head and int8
+    KV ask (decode.cpp attend_block). $KVBOOST_NATIVE_KV_AHEAD=1 / 0 decides instead. Rows that share a key
     block keep their requests (they pay there on both CPUs)."""
     wanted = os.environ.get(KV_AHEAD_ENV)
     if wanted in ("0", "1"):
