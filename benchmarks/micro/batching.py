@@ -331,7 +331,8 @@ def main(argv=None) -> None:
         if not wanted:
             continue
         model, tokenizer = load_default() if name == "fp32" else load_weights(name, args.gguf)
-        result.setdefault("environment", environment(model))
+        # the model named as run: the GGUF file where one was given (else the default model)
+        result.setdefault("environment", environment(model, Path(args.gguf).name if name == "gguf" else "default"))
         result[name] = {}
         for section in wanted:
             print(f"== {section} ({name})", flush=True)
