@@ -14,8 +14,14 @@ llama-cpp-python 0.3.36 sdist).
   qwen3-1.7b  the same with Qwen3-1.7B's config (q/k norms, head_dim 128, 16 / 8 heads, its 151,936-row
            tied embedding; the default model's tokenizer, the vocabulary padded by llama.cpp's
            converter), Q4_0 only
+  gemma3-1b  the same with Gemma 3 1B's config (26 layers, 4 query heads over 1 KV head of 256, a
+           512-token window on 5 layers of 6, two rotary bases, the 262,144-row tied embedding), with
+           Gemma 3 270M's tokenizer: its tokenizer.json for the converter (which keeps as many
+           embedding rows as that vocabulary has), then the 270M GGUF's tokenizer entries copied
+           into the BF16 GGUF (benchmarks/gguf_tokenizer.py), as the converter writes a tokenizer.json
+           without tokenizer.model as a GPT-2 vocabulary that transformers cannot read back; Q4_0 only
 
-Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b]   (prints the files)
+Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b,gemma3-1b]   (prints the files)
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_
 MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "q8_0", "hf-int4"),
                  "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
                  "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4"),
-                 "qwen3-1.7b": ("q4_0",)}
+                 "qwen3-1.7b": ("q4_0",),
+                 "gemma3-1b": ("q4_0",)}
 SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                     intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
                     rms_norm_eps=1e-5, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
@@ -42,6 +49,14 @@ QWEN3_1P7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
                   max_position_embeddings=40960, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   hidden_act="silu", initializer_range=0.02)
+GEMMA3_1B = dict(hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                 intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True, sliding_window=512,
+                 layer_types=[("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(26)],
+                 query_pre_attn_scalar=256, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                 hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                 initializer_range=0.02)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
@@ -86,7 +101,9 @@ def quantize(source: Path, target: Path, kind: str, requantize: bool = False) ->
 
 
 RANDOM = {"1.7b": ("smollm2-1.7b-random", "llama", SMOLLM2_1P7B, "LlamaForCausalLM"),
-          "qwen3-1.7b": ("qwen3-1.7b-random", "qwen3", QWEN3_1P7B, "Qwen3ForCausalLM")}
+          "qwen3-1.7b": ("qwen3-1.7b-random", "qwen3", QWEN3_1P7B, "Qwen3ForCausalLM"),
+          "gemma3-1b": ("gemma3-1b-random", "gemma3_text", GEMMA3_1B, "Gemma3ForCausalLM")}
+TOKENIZER_OF = {"gemma3-1b": "gemma3"}    # a RANDOM model's tokenizer: that model's (else the default model's)
 
 
 def random_1p7b_hf(model: str = "1.7b") -> Path:
@@ -108,7 +125,7 @@ def random_1p7b_hf(model: str = "1.7b") -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     weights.save_pretrained(staging)
     del weights
-    tokenizer_dir = default_model_dir()
+    tokenizer_dir = hf_dir(TOKENIZER_OF[model]) if model in TOKENIZER_OF else default_model_dir()
     for file in TOKENIZER_FILES:
         if (tokenizer_dir / file).is_file() and file != "generation_config.json":
             shutil.copyfile(tokenizer_dir / file, staging / file)
@@ -127,6 +144,12 @@ def random_1p7b_gguf(fmt: str, model: str = "1.7b") -> Path:
         env = dict(os.environ, PYTHONPATH=f"{tools / 'gguf-py'}{os.pathsep}{tools / 'pydeps'}")
         _run([sys.executable, tools / "convert_hf_to_gguf.py", random_1p7b_hf(model), "--outtype", "bf16",
               "--outfile", partial, "--model-name", name], env=env)
+        if model in TOKENIZER_OF:
+            donor = model_file(TOKENIZER_OF[model], MODEL_FORMATS[TOKENIZER_OF[model]][0])
+            converted = partial.with_name(partial.name + ".converted")
+            os.replace(partial, converted)
+            _run([sys.executable, Path(__file__).with_name("gguf_tokenizer.py"), converted, donor, partial], env=env)
+            converted.unlink()
         os.replace(partial, bf16)
     return quantize(bf16, folder / f"{name}.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt])
 

@@ -36,6 +36,11 @@ Run alone on a quiet machine (about 12 minutes on 2 cores for the defaults), wit
 With float16 KV (EngineConfig.kv_dtype; llama.cpp keeps f16 KV by default), our sections only:
   python -m benchmarks.micro.batching --kv-dtype float16 --sections levels,unshared \
       --out benchmarks/results/batching_f16kv.json
+At a real size (--gguf <a 1.7B-shape file>) 8 warmed ~1k-token prompts can outgrow the engine's default
+2 GiB cache (SmolLM2-1.7B's 32 KV heads: ~0.4 GB of float32 KV each), and are then prefilled again inside
+the timed waves; --cache-gib sizes every engine's cache_bytes for that:
+  python -m benchmarks.micro.batching --weights "" --gguf <file> --cache-gib 6 --sections unshared \
+      --out benchmarks/results/batching_1p7b_cache6g.json
 Completion mode (--completion; a base model without a chat template, Gemma 3 270M): each chat is the
 plain prompt "<system>\n\nQuestion: <question>\nAnswer:" through engine.stream / generate, the system
 text warmed as a plain prefix; levels and unshared only:
@@ -261,7 +266,7 @@ def section_transformers(model, tokenizer) -> dict:
 
 def section_prefill(model, tokenizer) -> dict:
     long_prompt = long_text(4000, tokenizer)
-    engine = Engine(model, tokenizer, cache_bytes=0, **ENGINE_OPTIONS)
+    engine = Engine(model, tokenizer, **{**ENGINE_OPTIONS, "cache_bytes": 0})
     chunk = engine.config.prefill_chunk_tokens
     alone = engine.generate("Hi, who are you?", max_new_tokens=2)
     chunk_s: list[float] = []
@@ -309,6 +314,8 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench -t")
     parser.add_argument("--kv-dtype", default="", help="our engines' KV element type (EngineConfig.kv_dtype: "
                         "float32, float16, bfloat16, int8; default: the model's dtype)")
+    parser.add_argument("--cache-gib", type=float, help="our engines' cache_bytes in GiB (default: the engine's, "
+                        "2 GiB; at a real size 8 warmed ~1k-token prompts can outgrow it, and are then prefilled again)")
     parser.add_argument("--out", default="benchmarks/results/batching.json")
     parser.add_argument("--completion", action="store_true", help="plain prompts through engine.stream, not chats "
                         "(a base model without a chat template; levels and unshared)")
@@ -321,11 +328,14 @@ def main(argv=None) -> None:
         NEW_TOKENS, SYSTEM_TOKENS, PAIRS = 8, 100, 1
     if args.kv_dtype:
         ENGINE_OPTIONS["kv_dtype"] = args.kv_dtype
+    if args.cache_gib is not None:
+        ENGINE_OPTIONS["cache_bytes"] = int(args.cache_gib * 1024**3)
     names = [w for w in args.weights.split(",") if w] + (["gguf"] if args.gguf else [])
     sections = args.sections.split(",")
     if args.completion and set(sections) - {*PER_WEIGHTS, "llama"}:
         parser.error("--completion runs the levels, unshared and llama sections only")
-    result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model"}
+    result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model",
+                    "cache_bytes": ENGINE_OPTIONS.get("cache_bytes", "default")}
     for index, name in enumerate(names):
         wanted = [s for s in sections if s in SECTIONS and (s in PER_WEIGHTS or index == 0)]
         if not wanted:
