@@ -106,7 +106,7 @@ RANDOM = {"1.7b": ("smollm2-1.7b-random", "llama", SMOLLM2_1P7B, "LlamaForCausal
 TOKENIZER_OF = {"gemma3-1b": "gemma3"}    # a RANDOM model's tokenizer: that model's (else the default model's)
 
 
-def random_1p7b_hf(model: str = "1.7b") -> Path:
+def random_hf(model: str = "1.7b") -> Path:
     """The random-weight HF directory (bf16 safetensors) of a RANDOM model, made once."""
     name, model_type, settings, architecture = RANDOM[model]
     target = bench_dir(name) / "hf"
@@ -133,7 +133,7 @@ def random_1p7b_hf(model: str = "1.7b") -> Path:
     return target
 
 
-def random_1p7b_gguf(fmt: str, model: str = "1.7b") -> Path:
+def random_gguf(fmt: str, model: str = "1.7b") -> Path:
     """A RANDOM model's GGUF in `fmt` (a GGUF_FORMATS key), via a BF16 GGUF (kept)."""
     name = RANDOM[model][0]
     folder = bench_dir(name)
@@ -142,7 +142,7 @@ def random_1p7b_gguf(fmt: str, model: str = "1.7b") -> Path:
         tools = tools_dir()
         partial = bf16.with_name(bf16.name + ".partial")
         env = dict(os.environ, PYTHONPATH=f"{tools / 'gguf-py'}{os.pathsep}{tools / 'pydeps'}")
-        _run([sys.executable, tools / "convert_hf_to_gguf.py", random_1p7b_hf(model), "--outtype", "bf16",
+        _run([sys.executable, tools / "convert_hf_to_gguf.py", random_hf(model), "--outtype", "bf16",
               "--outfile", partial, "--model-name", name], env=env)
         if model in TOKENIZER_OF:
             donor = model_file(TOKENIZER_OF[model], MODEL_FORMATS[TOKENIZER_OF[model]][0])
@@ -182,7 +182,7 @@ def hf_dir(model: str) -> Path:
         return default_model_dir()
     if model == "gemma3":
         return Path(resolve_model_dir("gemma3-270m"))
-    return random_1p7b_hf(model)
+    return random_hf(model)
 
 
 def model_file(model: str, fmt: str) -> Path:
@@ -192,7 +192,7 @@ def model_file(model: str, fmt: str) -> Path:
     if fmt == "hf-int4":
         return hf_dir(model)
     if model in RANDOM:
-        return random_1p7b_gguf(fmt, model)
+        return random_gguf(fmt, model)
     return {"default": default_gguf, "gemma3": gemma3_gguf}[model](fmt)
 
 

@@ -53,6 +53,17 @@ def _kquant_bytes(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def write_metadata(path, arch: str, fill=None) -> None:
+    """A GGUF of `arch` with no tensors: only what fill(writer) adds (nothing: the bare header)."""
+    w = GGUFWriter(str(path), arch)
+    if fill is not None:
+        fill(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
 def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | None = None, tied: bool = True,
                 bias: bool = False, seed: int = 0) -> None:
     """A tiny `arch` model: matrices in `qtype` (the head in `head`, the embedding in `embed`)."""

@@ -10,22 +10,20 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("gguf.scripts.gguf_new_metadata")
 
 from benchmarks import gguf_tokenizer  # noqa: E402
-from gguf_models import Q, write_model  # noqa: E402
+from gguf_models import Q, write_metadata, write_model  # noqa: E402
 
 
 def _donor(path) -> list[str]:
     tokens = ["<pad>", "<eos>", "<bos>", "▁a", "▁b"]
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
-    w.add_token_types([3, 3, 3, 1, 1])
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
+
+    def fill(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+        w.add_token_types([3, 3, 3, 1, 1])
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+    write_metadata(path, "gemma3", fill)
     return tokens
 
 
@@ -50,11 +48,7 @@ def test_tokenizer_replaced_everything_else_kept(tmp_path):
 def test_a_donor_without_a_tokenizer_is_refused(tmp_path):
     source, donor = tmp_path / "source.gguf", tmp_path / "donor.gguf"
     write_model(source, "llama", Q.Q4_0)
-    w = gguf.GGUFWriter(str(donor), "llama")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
+    write_metadata(donor, "llama")
     with pytest.raises(SystemExit, match="no tokenizer entries"):
         gguf_tokenizer.main(str(source), str(donor), str(tmp_path / "out.gguf"))
     assert not (tmp_path / "out.gguf").exists()

@@ -146,12 +146,8 @@ def test_unsupported_config_fails_before_loading_weights(tmp_path):
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    import gguf
+    from gguf_models import write_metadata
     path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_metadata(path, "gpt2")
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported"):
         Engine.from_pretrained(path)
