@@ -52,6 +52,7 @@ enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3 };   // element ty
                                                                     // (S_NONE: m not stored)
 enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };   // element type of the KV (kv_dtype)
 constexpr int KV_I8_BLOCK = 32;   // values per float16 scale of an int8 KV row (kv/element.py)
+constexpr int MAX_I8_HEAD_DIM = 1024;   // the widest head over int8 KV (i8_scores' scratch; decoder.py refuses more)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
   const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
@@ -103,6 +104,9 @@ struct Layer {
 //                                     each of R rows (xb[r]: 8 int32 words, 4 int8 each): lane i =
 //                                     row half * VW + i of sum(code * x); vcvt(vi) -> vf
 //   quantize(x, cols, xq, dx, sx)     int8 per block of 32 (the same numbers on every ISA)
+//   I8_PARTS i8_keys i8_query i8_dot  int8 keys times int8 query codes, exact (i8_scores)
+//   vi_set1 vload_dw vf_bits          int32 lanes; n dwords into a vector's bits; a float vector's bits
+//   gather_dw(rows, off) f16_lo/hi    lane j: the dword at byte off of rows[j]; its float16 halves as floats
 // Integer dot products are exact, so the quantized products give the same floats on every ISA;
 // float reductions (float weights, attention dots, sums) follow the vector width.
 #if defined(KVB_ISA_AVX512)
@@ -232,6 +236,30 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
 }
+
+
+// int8 KV keys scored in integers (i8_scores): a turned-over vector t of key codes (lane j: key j's
+// dword, 4 codes) kept as I8_PARTS vectors (i8_keys: the codes + 128, unsigned), a query dword (4 int8
+// codes) as I8_PARTS words (i8_query), and i8_dot(acc, k, q) = acc + per lane the exact sum of the 4
+// products (code + 128) * query code. vload_dw(p, n): n <= VW dwords at p into a vector's bits (the
+// lanes past n zero).
+constexpr int I8_PARTS = 1;
+inline void i8_keys(vi t, vi* k) { k[0] = _mm512_xor_si512(t, _mm512_set1_epi8(-128)); }
+inline void i8_query(int32_t w, int32_t* q) { q[0] = w; }
+inline vi i8_dot(vi acc, const vi* k, const int32_t* q) { return _mm512_dpbusd_epi32(acc, k[0], _mm512_set1_epi32(q[0])); }
+inline vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
+inline vf vload_dw(const void* p, int n) { return n >= VW ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes_n(n), p); }
+inline vi vf_bits(vf v) { return _mm512_castps_si512(v); }
+// lane j: the dword at byte `offset` of rows[j] (j < VW); f16_lo / f16_hi: each lane's low / high 16 bits,
+// a float16, as a float
+inline vi gather_dw(const int8_t* const* rows, int offset) {
+  const void* base = reinterpret_cast<const void*>(static_cast<intptr_t>(offset));
+  const __m256i a = _mm512_i64gather_epi32(_mm512_loadu_si512(rows), base, 1);
+  const __m256i b = _mm512_i64gather_epi32(_mm512_loadu_si512(rows + 8), base, 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+inline vf f16_lo(vi v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+inline vf f16_hi(vi v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
 
 #elif defined(KVB_ISA_AVXVNNI) || defined(KVB_ISA_AVX2)
 constexpr int VW = 8;
@@ -404,6 +432,51 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     sx[b] = dx[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
 }
+
+
+// int8 KV keys scored in integers: see the AVX-512 primitives. Without VNNI, (code + 128) of a dword's
+// even and odd bytes as 16-bit words (k[0], k[1]) times the query's even and odd codes sign-extended
+// (q[0], q[1]) through vpmaddwd: each product and pair sum exact in int32, as vpdpbusd's.
+#if defined(KVB_ISA_AVXVNNI)
+constexpr int I8_PARTS = 1;
+inline void i8_keys(vi t, vi* k) { k[0] = _mm256_xor_si256(t, _mm256_set1_epi8(-128)); }
+inline void i8_query(int32_t w, int32_t* q) { q[0] = w; }
+inline vi i8_dot(vi acc, const vi* k, const int32_t* q) { return _mm256_dpbusd_avx_epi32(acc, k[0], _mm256_set1_epi32(q[0])); }
+#else
+constexpr int I8_PARTS = 2;
+inline void i8_keys(vi t, vi* k) {
+  const vi u = _mm256_xor_si256(t, _mm256_set1_epi8(-128));
+  k[0] = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF));
+  k[1] = _mm256_srli_epi16(u, 8);
+}
+inline void i8_query(int32_t w, int32_t* q) {
+  int8_t b[4];
+  std::memcpy(b, &w, sizeof b);
+  auto word = [](int8_t lo, int8_t hi) {
+    return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+  };
+  q[0] = word(b[0], b[2]);
+  q[1] = word(b[1], b[3]);
+}
+inline vi i8_dot(vi acc, const vi* k, const int32_t* q) {
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(k[0], _mm256_set1_epi32(q[0])),
+                                                _mm256_madd_epi16(k[1], _mm256_set1_epi32(q[1]))));
+}
+#endif
+inline vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
+inline vf vload_dw(const void* p, int n) { return n >= VW ? _mm256_loadu_ps(static_cast<const float*>(p)) : vload_n(static_cast<const float*>(p), n); }
+inline vi vf_bits(vf v) { return _mm256_castps_si256(v); }
+inline vi gather_dw(const int8_t* const* rows, int offset) {     // see the AVX-512 one
+  const int* base = reinterpret_cast<const int*>(static_cast<intptr_t>(offset));
+  const __m128i a = _mm256_i64gather_epi32(base, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows)), 1);
+  const __m128i b = _mm256_i64gather_epi32(base, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 4)), 1);
+  return _mm256_set_m128i(b, a);
+}
+inline vf f16_of_words(vi v) {   // lanes < 65536 -> float16 bits -> floats
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+inline vf f16_lo(vi v) { return f16_of_words(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF))); }
+inline vf f16_hi(vi v) { return f16_of_words(_mm256_srli_epi32(v, 16)); }
 
 #else
 #error "define KVB_ISA_AVX512, KVB_ISA_AVXVNNI or KVB_ISA_AVX2 (native/build.py does)"
@@ -746,6 +819,14 @@ inline float kv_elem(const typename KvElem<KT>::type* row, int i, int dim) {
   else return static_cast<float>(row[i]) * f16_scalar(kv_i8_scale(row, i, dim));
 }
 
+// an int8 row of dim values as floats (kv_vec's, vector by vector) into out
+inline void dequant_i8(const int8_t* row, int dim, float* out) {
+  for (int b = 0; b < dim / KV_I8_BLOCK; ++b) {
+    const vf d = f16_bcast(kv_i8_scale(row, b * KV_I8_BLOCK, dim));
+    for (int c = b * KV_I8_BLOCK; c < (b + 1) * KV_I8_BLOCK; c += VW) vstore(out + c, vmul(i8_to_f32(row + c), d));
+  }
+}
+
 inline uint16_t bf16_round(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -922,14 +1003,81 @@ inline void block_softmax(float* sh, int n, float* ml) {
   ml[1] = vsum(sum);
 }
 
+// ---- int8 KV: keys scored in integers ----------------------------------------------------------
+// Over int8 KV, where the matrices take int8 activations anyway (Decoder::i8_queries: int4 or packed
+// weights; float weights keep float queries and kv_vec's exact code * scale), each query head is
+// quantized as the keys are stored: per block of 32 values, int8 codes (quantize(): round to nearest)
+// with a float scale dq = max |q| / 127 (Decoder::quantize_queries). Its
+// score with a key of codes k and float16 block scales dk is then, in float32,
+//   acc = I_0 (dq_0 dk_0);  acc = fma(I_b, dq_b dk_b, acc) for blocks b = 1, 2, ...;  score = acc * scaling
+// where I_b = sum over block b of query code * key code, an integer (exact in int32 and in float32). The
+// integer sums may be taken in any order, so every kernel (a row alone, rows sharing keys, wide heads,
+// any head size) and every instruction set gives each score bit for bit from the same float steps,
+// while the products take one vpdpbusd per 4 codes x VW keys instead of a conversion and an FMA per
+// value (llama.cpp scores its q8_0 KV the same way, over a query in q8_0).
+struct QCodes {              // query heads h0, h0 + 1, ... of a row over int8 KV
+  const int32_t* w;          // per head head_dim / 4 dwords of codes, each as I8_PARTS words (i8_query)
+  const float* d;            // per head and block: dq
+  const int32_t* s;          // per head and block: -128 * the sum of its codes (i8_keys' + 128 taken back)
+};
+
+// Scores (times `scaling`) of keys i0 .. n of a block of int8 rows (at kbase + slots[i] * stride) for R
+// rows of H heads (row r's at qc[r]) into sc + (r H + h) KEY_BLOCK + i, as above. Each group of VW keys
+// is turned over once (lanes: keys) for all R H heads; a last, partial group repeats its last key in
+// lanes never stored.
+inline void i8_scores(const QCodes* qc, int R, int H, int head_dim, const int8_t* kbase, const int64_t* slots,
+                      int64_t stride, int i0, int n, float scaling, float* sc) {
+  const int dw = head_dim / 4, nb = head_dim / KV_I8_BLOCK;
+  vi kt[MAX_I8_HEAD_DIM / 4 * I8_PARTS];                  // [dw][I8_PARTS]: the group's keys turned over
+  vf dk[MAX_I8_HEAD_DIM / KV_I8_BLOCK];                   // [nb]: each block's scales of the group's keys
+  for (int i = i0; i < n; i += VW) {
+    const int cnt = std::min(VW, n - i);
+    const int8_t* k[VW];
+    for (int j = 0; j < VW; ++j) k[j] = kbase + slots[i + std::min(j, cnt - 1)] * stride;
+    for (int c0 = 0; c0 < dw; c0 += VW) {
+      const int width = std::min(VW, dw - c0);
+      vf t[VW];
+      for (int j = 0; j < VW; ++j) t[j] = vload_dw(k[j] + 4 * c0, width);
+      transpose(t);
+      for (int c = 0; c < width; ++c) i8_keys(vf_bits(t[c]), &kt[static_cast<size_t>(c0 + c) * I8_PARTS]);
+    }
+    for (int b = 0; b < nb; b += 2) {          // the scales after the codes, two at a time (the last
+      if (b + 1 < nb) {                        // alone: the dword ending with it)
+        const vi two = gather_dw(k, head_dim + 2 * b);
+        dk[b] = f16_lo(two);
+        dk[b + 1] = f16_hi(two);
+      } else {
+        dk[b] = f16_hi(gather_dw(k, head_dim + 2 * b - 2));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int hh = 0; hh < H; ++hh) {
+        const int32_t* qw = qc[r].w + static_cast<size_t>(hh) * dw * I8_PARTS;
+        const float* dq = qc[r].d + hh * nb;
+        const int32_t* corr = qc[r].s + hh * nb;
+        vf acc = vzero();
+        for (int b = 0; b < nb; ++b) {
+          vi sum = vi_set1(corr[b]);
+          for (int c = 8 * b; c < 8 * b + 8; ++c) sum = i8_dot(sum, &kt[static_cast<size_t>(c) * I8_PARTS], qw + c * I8_PARTS);
+          const vf weight = vmul(vset1(dq[b]), dk[b]);
+          acc = b == 0 ? vmul(vcvt(sum), weight) : vfma(vcvt(sum), weight, acc);
+        }
+        const vf s = vmul(acc, vset1(scaling));
+        float* row = sc + (r * H + hh) * KEY_BLOCK + i;
+        if (cnt == VW) vstore(row, s);
+        else vstore_n(row, s, cnt);
+      }
+  }
+}
+
 // Heads h0 .. h0 + H of one row (queries q + h * head_dim, head_dim = D vectors) over keys 0 .. n
 // of a block of their KV head (rows at kbase / vbase + slots[i] * stride): each key and value row
 // is read from memory once for the H heads (it stays in L1 for the next head). Per head h: scores
 // (times `scaling`) into sc + h * KEY_BLOCK, then the block's top and sum of exp(score - top) into
 // ml[h][0..1], sum of exp(score - top) * value into out[h]. Each score: the query times the key row
-// vector by vector (column order), its lanes added by vsum_lanes; values: a running sum per head in
-// key order (two where H D <= 8: even and odd keys of the block, added at the end). The numbers of
-// a head depend on its query and the block's keys only.
+// vector by vector (column order), its lanes added by vsum_lanes (over int8 KV: i8_scores, from the
+// query's codes qc); values: a running sum per head in key order (two where H D <= 8: even and odd keys
+// of the block, added at the end). The numbers of a head depend on its query and the block's keys only.
 //
 // ask: the key rows KEYS_AHEAD on and each group's value rows are asked for ahead of their use (prefetch
 // only: the same numbers either way). Where it pays depends on the CPU and the run (Decoder::kv_ahead,
@@ -942,7 +1090,8 @@ inline void block_softmax(float* sh, int n, float* ml) {
 template <int KT, int D, int H>
 void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                   const typename KvElem<KT>::type* vbase, const int64_t* slots,
-                  int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml, bool ask) {
+                  int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml, bool ask,
+                  const QCodes& qc) {
   using E = typename KvElem<KT>::type;
   if (ask) prefetch_rows<KT, D>(kbase, slots, stride, 0, std::min(n, KEYS_AHEAD));
   for (int i = 0; i < n; i += VW) {
@@ -951,6 +1100,12 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
     if (ask) {
       prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
       prefetch_rows<KT, D, _MM_HINT_T1>(vbase, slots, stride, i, i + cnt);
+    }
+    if constexpr (KT == KV_I8) {
+      if (qc.w) {
+        i8_scores(&qc, 1, H, head_dim, reinterpret_cast<const int8_t*>(kbase), slots, stride, i, i + cnt, scaling, sc);
+        continue;
+      }
     }
     // A last, partial group scores its last key again in the lanes past cnt (never stored): lane j
     // of vsum_lanes depends on p[j] only, so the kept lanes are those of a full group, and the
@@ -988,15 +1143,21 @@ void attend_heads(const float* q, int head_dim, const typename KvElem<KT>::type*
 template <int KT, int H>
 void attend_wide(const float* q, int head_dim, const typename KvElem<KT>::type* kbase,
                  const typename KvElem<KT>::type* vbase, const int64_t* slots,
-                 int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml) {
+                 int64_t stride, int n, float scaling, float* sc, float* const* out, float* const* ml,
+                 const QCodes& qc) {
   using E = typename KvElem<KT>::type;
   const int D = head_dim / VW;
   const int row_bytes = kv_row_bytes<KT>(head_dim);
   constexpr int AHEAD = 4;                  // key rows asked for ahead (each D vectors: a KB or more)
   for (int j = 0; j < std::min(n, AHEAD); ++j) prefetch_bytes(kbase + slots[j] * stride, row_bytes);
+  const bool int_scores = KT == KV_I8 && qc.w;
+  if (int_scores) {
+    for (int j = 0; j < n; ++j) prefetch_bytes<_MM_HINT_T1>(vbase + slots[j] * stride, row_bytes);
+    i8_scores(&qc, 1, H, head_dim, reinterpret_cast<const int8_t*>(kbase), slots, stride, 0, n, scaling, sc);
+  }
   // keys j and j + 1 (the second of a pair, or j again past n: never stored) in one pass over the
   // columns, each query vector loaded once for both
-  for (int j = 0; j < n; j += 2) {
+  for (int j = 0; !int_scores && j < n; j += 2) {
     const int j1 = std::min(j + 1, n - 1);
     for (int a = j + AHEAD; a < std::min(n, j + AHEAD + 2); ++a) prefetch_bytes(kbase + slots[a] * stride, row_bytes);
     for (int a = j; a <= j1; ++a)             // the value rows, into L2 for the passes below
@@ -1056,13 +1217,21 @@ constexpr int SHARED_MIN = 32;    // keys at least that rows of one task share
 // the query's columns l, l + VW, ... (ps: every row and head's, LB lanes' key columns held in
 // registers), added across by vsum_across: the products, chains and tree of attend_heads for that
 // key, bit for bit, whatever keys share its group (a group past n repeats its last key in lanes never
-// kept). kt: [D VW] vectors of scratch, ps: [R H VW].
+// kept). kt: [D VW] vectors of scratch, ps: [R H VW]. Over int8 KV: i8_scores (row r's query codes qc[r]).
 template <int KT, int D, int H>
 inline void shared_scores(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
                           const typename KvElem<KT>::type* vbase, const int64_t* slots, int64_t stride, int i0,
-                          int n, float scaling, float* sc, float* kt, float* ps) {
+                          int n, float scaling, float* sc, float* kt, float* ps, const QCodes* qc) {
   using E = typename KvElem<KT>::type;
   prefetch_rows<KT, D>(kbase, slots, stride, i0, std::min(n, i0 + KEYS_AHEAD));
+  if (KT == KV_I8 && qc->w) {                 // in integers, every row and head of a group at once
+    for (int i = i0; i < n; i += VW) {
+      prefetch_rows<KT, D>(kbase, slots, stride, std::min(n, i + KEYS_AHEAD), std::min(n, i + KEYS_AHEAD + VW));
+      prefetch_rows<KT, D, _MM_HINT_T1>(vbase, slots, stride, i, std::min(n, i + VW));
+      i8_scores(qc, R, H, D * VW, reinterpret_cast<const int8_t*>(kbase), slots, stride, i, std::min(n, i + VW), scaling, sc);
+    }
+    return;
+  }
   for (int i = i0; i < n; i += VW) {
     const int cnt = std::min(VW, n - i);
     // The rows to ask for during this group (the keys KEYS_AHEAD on into L1, this group's values into
@@ -1154,12 +1323,13 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
 // KV rows; slots), each row r then its own keys s .. n[r] (own[r]): row r's queries at q[r] + h * head_dim,
 // its partials at out / ml[r * H + h], bit for bit those of attend_heads for that row alone, with the
 // shared keys' loads, conversions and lane shuffles done once for the R H heads. sc: [R H KEY_BLOCK]
-// scores; kt, ps: shared_scores' scratch.
+// scores; kt, ps: shared_scores' scratch; over int8 KV qc: each row's query codes, vrows / vat: scratch
+// for the task's value rows as floats (attend_rows sizes it).
 template <int KT, int D, int H>
 void attend_shared(const float* const* q, int R, int head_dim, const typename KvElem<KT>::type* kbase,
                    const typename KvElem<KT>::type* vbase, const int64_t* slots, int s, const int64_t* const* own,
                    const int* n, int64_t stride, float scaling, float* sc, float* kt, float* ps, float* const* out,
-                   float* const* ml) {
+                   float* const* ml, const QCodes* qc, float* vrows, int64_t* vat) {
   // Each row's own keys and values (a short run per sequence, past the prompt it shares) asked into L2
   // while the shared keys are scored: asked for only when their scores began, each row's run waited on
   // memory (in an 8-row decode step over a shared prompt, 8.0 K -> 2.3 K TSC cycles per task for the
@@ -1169,13 +1339,38 @@ void attend_shared(const float* const* q, int R, int head_dim, const typename Kv
       prefetch_rows<KT, D, _MM_HINT_T1>(kbase, own[r], stride, s, n[r]);
       prefetch_rows<KT, D, _MM_HINT_T1>(vbase, own[r], stride, s, n[r]);
     }
-  shared_scores<KT, D, H>(q, R, head_dim, kbase, vbase, slots, stride, 0, s, scaling, sc, kt, ps);
+  shared_scores<KT, D, H>(q, R, head_dim, kbase, vbase, slots, stride, 0, s, scaling, sc, kt, ps, qc);
   for (int r = 0; r < R; ++r)
     if (n[r] > s) shared_scores<KT, D, H>(q + r, 1, head_dim, kbase, vbase, own[r], stride, s, n[r], scaling,
-                                          sc + r * H * KEY_BLOCK, kt, ps);
+                                          sc + r * H * KEY_BLOCK, kt, ps, qc + r);
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) block_softmax(sc + (r * H + h) * KEY_BLOCK, n[r], ml[r * H + h]);
   constexpr int RV = std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1))));   // registers
+  if constexpr (KT == KV_I8) {
+    // Over int8 KV each value row the task reads is turned into floats once (code * scale: exact in
+    // float32, kv_vec's numbers) into vrows, then summed as float32 rows (vat: each key's row there): the
+    // passes of RV rows below would each convert the shared rows again.
+    int used = 0;
+    for (int j = 0; j < s; ++j, ++used) {
+      dequant_i8(vbase + slots[j] * stride, D * VW, vrows + static_cast<size_t>(used) * D * VW);
+      vat[j] = used;
+    }
+    const int64_t* own_at[SHARED_ROWS];
+    for (int r = 0; r < R; ++r) {
+      int64_t* at = vat + static_cast<size_t>(r + 1) * KEY_BLOCK;
+      for (int k = s; k < n[r]; ++k, ++used) {
+        dequant_i8(vbase + own[r][k] * stride, D * VW, vrows + static_cast<size_t>(used) * D * VW);
+        at[k] = used;
+      }
+      own_at[r] = at;
+    }
+    int r = 0;
+    for (; r + RV <= R; r += RV)
+      shared_values<KV_F32, D, H, RV>(vrows, vat, s, own_at + r, n + r, D * VW, sc + r * H * KEY_BLOCK, out + r * H);
+    for (; r < R; ++r)
+      shared_values<KV_F32, D, H, 1>(vrows, vat, s, own_at + r, n + r, D * VW, sc + r * H * KEY_BLOCK, out + r * H);
+    return;
+  }
   int r = 0;
   for (; r + RV <= R; r += RV)
     shared_values<KT, D, H, RV>(vbase, slots, s, own + r, n + r, stride, sc + r * H * KEY_BLOCK, out + r * H);
@@ -1293,6 +1488,8 @@ struct Decoder {
                              // runs, for one query head per KV head and over int8 KV: attend_heads' ask)
   int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
+  bool i8_queries = false;   // int8 KV scored against int8 queries (i8_scores): over int8 KV where the
+                             // matrices take int8 activations anyway; float weights keep float queries
   float eps, scaling;
   std::vector<Layer> stack;
   const float* final_norm;
@@ -1304,9 +1501,14 @@ struct Decoder {
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
+  std::vector<int32_t> q_words, q_corr;         // over int8 KV, per row: the query heads' codes (QCodes)
+  std::vector<float> q_scale, q_sums;
+  std::vector<int8_t> q_codes;
   std::vector<std::vector<float>> scores;      // per thread [SHARED_ROWS 4 KEY_BLOCK]
   std::vector<std::vector<float>> turned;      // per thread: a group of keys turned over [16 VW VW], then
                                                // each row and head's lane sums [SHARED_ROWS 4 VW VW]
+  std::vector<std::vector<float>> value_rows;  // per thread, over int8 KV: a shared task's value rows as
+  std::vector<std::vector<int64_t>> value_at;  // floats, and where each key's is (attend_rows; grown on use)
   std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
@@ -1320,6 +1522,45 @@ struct Decoder {
     mlp.resize(static_cast<size_t>(M) * 2 * inter); act.resize(static_cast<size_t>(M) * inter);
     xq.resize(static_cast<size_t>(M) * xq_w);
     dx.resize(static_cast<size_t>(M) * s_w); sx.resize(static_cast<size_t>(M) * s_w);
+    if (i8_queries) {
+      q_words.resize(static_cast<size_t>(M) * (q_rows / 4) * I8_PARTS);
+      q_scale.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
+      q_corr.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
+      q_sums.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
+      q_codes.resize(static_cast<size_t>(M) * q_rows);
+    }
+  }
+
+  // Row r's query heads (rotated, normed) in int8 for scoring int8 KV (i8_scores): quantize()'s codes per
+  // block of 32 (each head a whole number of blocks: head_dim is a multiple of 32 over int8 KV) and scales,
+  // each dword of codes as i8_query's words, and -128 times each block's sum of codes.
+  void quantize_queries(int r) {
+    static_assert(BLOCK == KV_I8_BLOCK, "a query block is a key block");
+    const int blocks = q_rows / KV_I8_BLOCK;
+    int8_t* codes = q_codes.data() + static_cast<size_t>(r) * q_rows;
+    quantize(qkv.data() + static_cast<size_t>(r) * qkv_w, q_rows, codes, q_scale.data() + static_cast<size_t>(r) * blocks,
+             q_sums.data() + static_cast<size_t>(r) * blocks);
+    int32_t* words = q_words.data() + static_cast<size_t>(r) * (q_rows / 4) * I8_PARTS;
+    for (int c = 0; c < q_rows / 4; ++c) {
+      int32_t w;
+      std::memcpy(&w, codes + 4 * c, sizeof w);
+      i8_query(w, words + c * I8_PARTS);
+    }
+    for (int b = 0; b < blocks; ++b) {
+      int32_t sum = 0;
+      for (int i = 0; i < KV_I8_BLOCK; ++i) sum += codes[b * KV_I8_BLOCK + i];
+      q_corr[static_cast<size_t>(r) * blocks + b] = -128 * sum;
+    }
+  }
+
+  // Row r's query heads from hd0 on in int8 (quantize_queries), or nulls where the keys are scored
+  // against float queries
+  QCodes query_codes(int r, int hd0) const {
+    if (!i8_queries) return {nullptr, nullptr, nullptr};
+    const int blocks = q_rows / KV_I8_BLOCK, hb = head_dim / KV_I8_BLOCK;
+    return {q_words.data() + (static_cast<size_t>(r) * (q_rows / 4) + static_cast<size_t>(hd0) * (head_dim / 4)) * I8_PARTS,
+            q_scale.data() + static_cast<size_t>(r) * blocks + hd0 * hb,
+            q_corr.data() + static_cast<size_t>(r) * blocks + hd0 * hb};
   }
 
   static void split(int tiles, int id, int n, int* t0, int* t1) {
@@ -1378,13 +1619,14 @@ struct Decoder {
       ml[h] = part_ml.data() + 2 * static_cast<size_t>(task0 + h * nb);
     }
     const bool ask = kv_ahead || n <= SHORT_RUN || count == 1 || KT == KV_I8;   // (attend_heads' ask)
+    const QCodes qc = query_codes(r, hd0);
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                      \
     switch (count) {                                                                                       \
-      case 1: return attend_heads<KT, DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
-      case 2: return attend_heads<KT, DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
-      case 3: return attend_heads<KT, DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
-      default: return attend_heads<KT, DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask); \
+      case 1: return attend_heads<KT, DD, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask, qc); \
+      case 2: return attend_heads<KT, DD, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask, qc); \
+      case 3: return attend_heads<KT, DD, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask, qc); \
+      default: return attend_heads<KT, DD, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, ask, qc); \
     }
     if (head_dim == D * VW) {
       switch (D) {
@@ -1399,28 +1641,33 @@ struct Decoder {
 #undef KVB_HEADS
     if (head_dim == D * VW && D > 16 && D % 4 == 0) {
       switch (count) {
-        case 1: return attend_wide<KT, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
-        case 2: return attend_wide<KT, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
-        case 3: return attend_wide<KT, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
-        default: return attend_wide<KT, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml);
+        case 1: return attend_wide<KT, 1>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, qc);
+        case 2: return attend_wide<KT, 2>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, qc);
+        case 3: return attend_wide<KT, 3>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, qc);
+        default: return attend_wide<KT, 4>(q, head_dim, kbase, vbase, slots, st[3], n, scaling, sc, out, ml, qc);
       }
     }
-    for (int h = 0; h < count; ++h) {         // other head sizes: one head at a time, in columns
+    // other head sizes: one head at a time, in columns (int8 queries: every head scored first, head h
+    // at sc + h KEY_BLOCK)
+    const bool int_scores = KT == KV_I8 && qc.w;
+    if (int_scores) i8_scores(&qc, 1, count, head_dim, reinterpret_cast<const int8_t*>(kbase), slots, st[3], 0, n, scaling, sc);
+    for (int h = 0; h < count; ++h) {
       const float* qh = q + h * head_dim;
+      float* sh = int_scores ? sc + h * KEY_BLOCK : sc;
       float top = -INFINITY;
       for (int i = 0; i < n; ++i) {
-        sc[i] = kv_dot<KT>(qh, kbase + slots[i] * st[3], head_dim) * scaling;
-        top = std::max(top, sc[i]);
+        if (!int_scores) sh[i] = kv_dot<KT>(qh, kbase + slots[i] * st[3], head_dim) * scaling;
+        top = std::max(top, sh[i]);
       }
       float sum = 0.f;
       for (int i = 0; i < n; ++i) {
-        sc[i] = std::exp(sc[i] - top);
-        sum += sc[i];
+        sh[i] = std::exp(sh[i] - top);
+        sum += sh[i];
       }
       std::memset(out[h], 0, sizeof(float) * head_dim);
       for (int j = 0; j < n; ++j) {
         const E* v = vbase + slots[j] * st[3];
-        for (int c = 0; c < head_dim; ++c) out[h][c] += sc[j] * kv_elem<KT>(v, c, head_dim);
+        for (int c = 0; c < head_dim; ++c) out[h][c] += sh[j] * kv_elem<KT>(v, c, head_dim);
       }
       ml[h][0] = top;
       ml[h][1] = sum;
@@ -1452,7 +1699,7 @@ struct Decoder {
   // bit each row's attend_block. Head sizes that are no whole number of vectors never share (plan_for).
   template <int KT>
   void attend_rows(int layer, const Row* rows, const int* which, int count, int shared, int hd0, int hcount, int blk,
-                   const std::vector<int>& off, float* sc, float* kt) {
+                   const std::vector<int>& off, float* sc, float* kt, int id) {
     using E = typename KvElem<KT>::type;
     const Layer& L = stack[layer];
     const Row& lead = rows[which[0]];
@@ -1460,6 +1707,7 @@ struct Decoder {
     const E* kbase = static_cast<const E*>(lead.kv) + layer * st[1] + (hd0 / (heads / kv_heads)) * st[2];
     const E* vbase = kbase + st[0];
     const float* q[SHARED_ROWS];
+    QCodes qc[SHARED_ROWS];
     const int64_t* own[SHARED_ROWS];
     int n[SHARED_ROWS];
     float* out[SHARED_ROWS * 4];
@@ -1472,6 +1720,7 @@ struct Decoder {
       n[i] = static_cast<int>(std::min<int64_t>(row.pos + 1, k0 + KEY_BLOCK) - k0);
       const int nb = (off[r + 1] - off[r]) / heads;
       q[i] = qkv.data() + static_cast<size_t>(r) * qkv_w + hd0 * head_dim;
+      qc[i] = query_codes(r, hd0);
       for (int h = 0; h < hcount; ++h) {
         const size_t task = off[r] + static_cast<size_t>(hd0 + h) * nb + blk;
         out[i * hcount + h] = part_o.data() + task * head_dim;
@@ -1479,13 +1728,25 @@ struct Decoder {
       }
     }
     float* ps = kt + 16 * VW * VW;
+    float* vrows = nullptr;                    // over int8 KV: the task's value rows as floats (attend_shared)
+    int64_t* vat = nullptr;
+    if constexpr (KT == KV_I8) {
+      size_t used = shared;
+      for (int i = 0; i < count; ++i) used += std::max(0, n[i] - shared);
+      std::vector<float>& fl = value_rows[id];
+      std::vector<int64_t>& at = value_at[id];
+      if (fl.size() < used * head_dim) fl.resize(used * head_dim);
+      if (at.size() < static_cast<size_t>(count + 1) * KEY_BLOCK) at.resize(static_cast<size_t>(count + 1) * KEY_BLOCK);
+      vrows = fl.data();
+      vat = at.data();
+    }
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                            \
     switch (hcount) {                                                                                            \
-      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
-      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
-      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
-      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml); \
+      case 1: return attend_shared<KT, DD, 1>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml, qc, vrows, vat); \
+      case 2: return attend_shared<KT, DD, 2>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml, qc, vrows, vat); \
+      case 3: return attend_shared<KT, DD, 3>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml, qc, vrows, vat); \
+      default: return attend_shared<KT, DD, 4>(q, count, head_dim, kbase, vbase, own[0], shared, own, n, st[3], scaling, sc, kt, ps, out, ml, qc, vrows, vat); \
     }
     switch (D) {
       case 1: KVB_HEADS(1)
@@ -1606,10 +1867,10 @@ struct Decoder {
         const int count = std::min(4, (task.g + 1) * group - hd);
         if (task.count > 1) {
           const int c = task.count, s = task.shared;
-          if (kv_type == KV_F16) attend_rows<KV_F16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
-          else if (kv_type == KV_BF16) attend_rows<KV_BF16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
-          else if (kv_type == KV_I8) attend_rows<KV_I8>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
-          else attend_rows<KV_F32>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt);
+          if (kv_type == KV_F16) attend_rows<KV_F16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt, id);
+          else if (kv_type == KV_BF16) attend_rows<KV_BF16>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt, id);
+          else if (kv_type == KV_I8) attend_rows<KV_I8>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt, id);
+          else attend_rows<KV_F32>(l, rows, which, c, s, hd, count, task.blk, off, sc, kt, id);
           continue;
         }
         const int r = which[0];
@@ -1652,6 +1913,7 @@ struct Decoder {
         if (L.q_norm) rms_norm(q + hd * head_dim, L.q_norm, head_dim, eps, q + hd * head_dim);
         rotate(q + hd * head_dim, cos, sin, head_dim);
       }
+      if (i8_queries) quantize_queries(r);
       for (int g = 0; g < kv_heads; ++g) {
         if (L.k_norm) rms_norm(k + g * head_dim, L.k_norm, head_dim, eps, k + g * head_dim);
         rotate(k + g * head_dim, cos, sin, head_dim);
@@ -1840,6 +2102,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->head = qmat(args->head);
   if (dec->head.bits != 32) dec->quantized = true;
   if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
+  dec->i8_queries = dec->kv_type == KV_I8 && dec->quantized;
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;
   const int widest = std::max({dec->hidden, q_rows, dec->inter});
   dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
@@ -1848,6 +2111,8 @@ void* kvb_decoder_new(const ModelArgs* args) {
   const size_t per_thread = std::max(dec->team.size(), 64);            // (an OpenMP team may differ in size)
   dec->scores.assign(per_thread, std::vector<float>(SHARED_ROWS * 4 * KEY_BLOCK));
   dec->turned.assign(per_thread, std::vector<float>((16 + SHARED_ROWS * 4) * VW * VW));
+  dec->value_rows.resize(per_thread);
+  dec->value_at.resize(per_thread);
   return dec;
 }
 
