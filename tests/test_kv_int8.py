@@ -30,6 +30,7 @@ HEADS = {"head32": {"num_attention_heads": 4, "num_key_value_heads": 2},
          "head64": {"num_attention_heads": 2, "num_key_value_heads": 1},
          "head96": {"head_dim": 96, "num_attention_heads": 4, "num_key_value_heads": 2},
          "head512": {"head_dim": 512, "num_attention_heads": 2, "num_key_value_heads": 1}}
+WIDE_HEADS = {"head1088": {"head_dim": 1088, "num_attention_heads": 2, "num_key_value_heads": 1}}   # float queries
 
 
 def _blocks_scale(rows: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def test_int8_kv_needs_a_head_dim_of_whole_blocks_and_no_second_disk_quantizatio
 
 # ---- the PyTorch path and the native step ----------------------------------------------------
 def _native_vs_pytorch(weights, heads, kv_factory, tmp_path, steps=6):
-    pairs, kv_torch, kv_native, _ = run_both(weights, I8, kv_factory, tmp_path, steps, HEADS[heads])
+    pairs, kv_torch, kv_native, _ = run_both(weights, I8, kv_factory, tmp_path, steps, {**HEADS, **WIDE_HEADS}[heads])
     end = len(PROMPT) + steps
     return pairs, [_rows(kv, end) for kv in (kv_torch, kv_native)]
 
@@ -119,11 +120,16 @@ def test_int8_queries_only_where_activations_are_int8_anyway(tmp_path, weights):
 
 
 @needs_cpu
-def test_int8_kv_wider_than_the_step_scores_takes_the_pytorch_path_with_the_reason(tmp_path):
-    model = make("float", "llama", {"head_dim": 1056, "num_attention_heads": 2, "num_key_value_heads": 1}, tmp_path)
-    decoder, reason = native_decoder(ModelAdapter(model, I8), threads=2)
-    assert decoder is None and "head_dim 1056" in reason and "1024" in reason
-    assert native_decoder(ModelAdapter(model, None), threads=2)[0] is not None      # float32 KV: any width
+def test_int8_kv_heads_wider_than_int8_queries_keep_float_queries(tmp_path):
+    """Heads wider than i8_scores takes (1,024) over int8 KV: the native step still runs them, with
+    the keys scored against the float query (the same numbers in every kernel), also for int4."""
+    wide = {"head_dim": 1088, "num_attention_heads": 2, "num_key_value_heads": 1}
+    decoder, reason = native_decoder(ModelAdapter(make("int4", "llama", wide, tmp_path), I8), threads=2)
+    assert decoder is not None, reason
+    assert decoder.int8_queries is False
+    pairs, _ = _native_vs_pytorch("int4", "head1088", _paged, tmp_path, steps=2)
+    for want, got in pairs:
+        assert ((got - want).norm() / want.norm()) < 0.05
 
 
 @needs_cpu

@@ -32,7 +32,7 @@ from ..paths import build_lock, cache_home
 from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 13
+ABI_VERSION = 14
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 # variant: (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS = {
@@ -189,6 +189,8 @@ def _declare(lib) -> None:
     lib.kvb_struct_size.argtypes = [ctypes.c_int]
     lib.kvb_decoder_embed.restype = ctypes.c_int
     lib.kvb_decoder_embed.argtypes = [p, ctypes.c_int, p, p]
+    lib.kvb_decoder_int8_queries.restype = ctypes.c_int
+    lib.kvb_decoder_int8_queries.argtypes = [p]
     lib.kvb_decoder_free.restype = None
     lib.kvb_decoder_free.argtypes = [p]
     lib.kvb_isa.restype = ctypes.c_char_p

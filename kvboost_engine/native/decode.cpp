@@ -52,7 +52,7 @@ enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3 };   // element ty
                                                                     // (S_NONE: m not stored)
 enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };   // element type of the KV (kv_dtype)
 constexpr int KV_I8_BLOCK = 32;   // values per float16 scale of an int8 KV row (kv/element.py)
-constexpr int MAX_I8_HEAD_DIM = 1024;   // the widest head over int8 KV (i8_scores' scratch; decoder.py refuses more)
+constexpr int MAX_I8_HEAD_DIM = 1024;   // the widest head scored against int8 queries (i8_scores' scratch; wider: float queries)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
   const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
@@ -222,7 +222,7 @@ inline void dot_block(const uint8_t* wp, int /*half*/, const int32_t* const* xb,
     for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], v[j], _mm512_set1_epi32(xb[r][j]));
 }
 
-// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
+// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes) (sx: or null).
 void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
   for (int b = 0; b < cols / BLOCK; ++b) {
     __m512 a0 = _mm512_loadu_ps(x + b * BLOCK), a1 = _mm512_loadu_ps(x + b * BLOCK + 16);
@@ -233,7 +233,7 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
     dx[b] = amax / 127.f;
-    sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    if (sx) sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
 }
 
@@ -411,7 +411,7 @@ inline void dot_block(const uint8_t* wp, int half, const int32_t* const* xb, vi*
 #endif
 }
 
-// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes).
+// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes) (sx: or null).
 void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
   for (int b = 0; b < cols / BLOCK; ++b) {
     vf a[4];
@@ -429,7 +429,7 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     dx[b] = amax / 127.f;
-    sx[b] = dx[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
+    if (sx) sx[b] = dx[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
 }
 
@@ -1489,7 +1489,8 @@ struct Decoder {
   int activation = ACT_SILU; // the MLP's activation (Act)
   bool quantized = false;    // some matrix reads int8 activations
   bool i8_queries = false;   // int8 KV scored against int8 queries (i8_scores): over int8 KV where the
-                             // matrices take int8 activations anyway; float weights keep float queries
+                             // matrices take int8 activations anyway, heads of up to MAX_I8_HEAD_DIM; float
+                             // weights (and wider heads) keep float queries
   float eps, scaling;
   std::vector<Layer> stack;
   const float* final_norm;
@@ -1502,7 +1503,7 @@ struct Decoder {
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int8_t> xq;
   std::vector<int32_t> q_words, q_corr;         // over int8 KV, per row: the query heads' codes (QCodes)
-  std::vector<float> q_scale, q_sums;
+  std::vector<float> q_scale;
   std::vector<int8_t> q_codes;
   std::vector<std::vector<float>> scores;      // per thread [SHARED_ROWS 4 KEY_BLOCK]
   std::vector<std::vector<float>> turned;      // per thread: a group of keys turned over [16 VW VW], then
@@ -1526,7 +1527,6 @@ struct Decoder {
       q_words.resize(static_cast<size_t>(M) * (q_rows / 4) * I8_PARTS);
       q_scale.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
       q_corr.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
-      q_sums.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
       q_codes.resize(static_cast<size_t>(M) * q_rows);
     }
   }
@@ -1539,7 +1539,7 @@ struct Decoder {
     const int blocks = q_rows / KV_I8_BLOCK;
     int8_t* codes = q_codes.data() + static_cast<size_t>(r) * q_rows;
     quantize(qkv.data() + static_cast<size_t>(r) * qkv_w, q_rows, codes, q_scale.data() + static_cast<size_t>(r) * blocks,
-             q_sums.data() + static_cast<size_t>(r) * blocks);
+             nullptr);
     int32_t* words = q_words.data() + static_cast<size_t>(r) * (q_rows / 4) * I8_PARTS;
     for (int c = 0; c < q_rows / 4; ++c) {
       int32_t w;
@@ -2060,7 +2060,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 13; }
+int kvb_abi_version() { return 14; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }
@@ -2102,7 +2102,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->head = qmat(args->head);
   if (dec->head.bits != 32) dec->quantized = true;
   if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
-  dec->i8_queries = dec->kv_type == KV_I8 && dec->quantized;
+  dec->i8_queries = dec->kv_type == KV_I8 && dec->quantized && dec->head_dim <= MAX_I8_HEAD_DIM;
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;
   const int widest = std::max({dec->hidden, q_rows, dec->inter});
   dec->q_rows = q_rows; dec->hw = std::max(dec->hidden, q_rows); dec->qkv_w = q_rows + 2 * kv_rows;
@@ -2115,6 +2115,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->value_at.resize(per_thread);
   return dec;
 }
+
+// 1 where int8 keys are scored against the query in int8 (Decoder::i8_queries), else 0
+int kvb_decoder_int8_queries(void* handle) { return static_cast<Decoder*>(handle)->i8_queries ? 1 : 0; }
 
 // One step over M rows (decode.cpp Row: each its own KV, slots and position; the rows of one
 // sequence's prompt chunk share them): x [M, hidden] their embeddings; logits [wanted rows, vocab].

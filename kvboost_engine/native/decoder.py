@@ -44,7 +44,6 @@ from . import abi, build
 from .matrices import ABSENT, embeds_from_head, float_matrix, joined, packed, weights_kind
 
 TILE, BLOCK = 16, 32
-MAX_INT8_HEAD_DIM = 1024                             # decode.cpp MAX_I8_HEAD_DIM: the widest head it scores over int8 KV
 STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
 PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
@@ -92,8 +91,6 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
         return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
     if adapter.geometry.dtype not in abi.KV_TYPES:
         return f"KV in {adapter.geometry.dtype} (the step reads float32, float16, bfloat16 or int8 KV)"
-    if adapter.geometry.dtype == torch.int8 and adapter.geometry.head_dim > MAX_INT8_HEAD_DIM:
-        return f"int8 KV with head_dim {adapter.geometry.head_dim} (the step scores int8 keys of at most {MAX_INT8_HEAD_DIM})"
     if getattr(adapter.model, "kvboost_streamer", None) is not None:
         return "layers are streamed"
     kind = weights_kind(adapter)
@@ -157,12 +154,10 @@ class NativeDecoder:
                               plain.rms_norm_eps,
                               parts[0].scaling, stack, self._hold(plain.final_norm.float()),
                               abi.mat_args(head, self._hold))
-        # int8 keys scored against the query in int8 (decode.cpp i8_scores): over int8 KV where some
-        # matrix takes int8 activations anyway (decode.cpp Decoder::i8_queries: the same rule)
-        quantized = model.head.bits != 32 or any(
-            getattr(args, name).rows and getattr(args, name).bits != 32 for args in stack for name in abi.MATRICES)
-        self.int8_queries = g.dtype == torch.int8 and bool(quantized)
         self._handle = lib.kvb_decoder_new(ctypes.byref(model))
+        # int8 keys scored against the query in int8 (decode.cpp i8_scores): over int8 KV where some
+        # matrix takes int8 activations anyway, heads of up to 1,024 (Decoder::i8_queries, as the library says)
+        self.int8_queries = bool(lib.kvb_decoder_int8_queries(self._handle))
         self._embed_native = embeds_from_head(adapter, self.kind)
         self.threads = threads
         self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
