@@ -4,9 +4,10 @@ A harness that includes native/decode.cpp is compiled per runnable instruction-s
 library's own flags, as native/build.py builds it) and times one attention task of the default
 model's shape (head_dim 64, 3 query heads per KV head, float32 KV, 256 keys: one KEY_BLOCK):
   shared       attend_shared: 8 rows over the same 256 keys (8 concurrent chats over one prompt)
-  one_row_x8   attend_heads 8 times, one row each (8 sequences with nothing shared)
-  scores       shared_scores alone (8 rows), softmax: block_softmax of the 24 row-heads,
-  values       shared_values alone (8 rows, 2 at a time, as attend_shared runs them)
+  one_row_x8   attend_heads 8 times, one row each (8 sequences with nothing shared; no KV asked ahead)
+  scores       shared_scores alone (8 rows)
+  softmax      block_softmax of the 24 row-heads
+  values       shared_values alone (8 rows, as many at a time as attend_shared takes them)
 each with the block's KV hot (one block, in L2) and cold (blocks cycled through 256 MB: each read
 from DRAM, as in a step). Per task: ns per row-key (one row over one key of its KV head, all 3
 query heads), and the FMA floor: the task's vector FMAs (3 heads x head_dim / VW for the scores,
@@ -16,9 +17,10 @@ floor_ratio = time / floor: how far the kernel is from its arithmetic alone.
 A note, not a README figure source: it says where a step's attention time goes, for kernel work.
 A kernel change that gains here must still be measured on the step (benchmarks.micro.native_steps,
 batching): value sums in passes of 4 vectors took AVX2's values from 1.9x to 1.4x their floor here
-(every task 8-13 % faster, hot and cold), yet made the default int4 model's serial decode 10-17 %
-slower (forced AVX2, 5 pairs of processes), and were not kept.
-Run alone on a quiet machine (about 30 s per variant):
+(every task 8-13 % faster, hot and cold; the same logits bit for bit), yet made the default int4
+model's serial decode 7-21 % slower (forced AVX2, 5 pairs of processes: 161-181 against 195-210
+tok/s), and were not kept.
+Run alone on a quiet machine (about a minute per variant, most of it compiling decode.cpp):
   python -m benchmarks.micro.attention_kernels [--isa avx512,avx2] [--out benchmarks/results/attention_kernels.json]
 Smoke: python -m benchmarks.micro.attention_kernels --smoke
 """
