@@ -19,8 +19,8 @@ A kernel change that gains here must still be measured on the step (benchmarks.m
 native_context, batching): the cold case here streams contiguous blocks, and the step's memory
 behaves otherwise. AVX2's value sums spill their 24 accumulators (16 registers); summed in passes of
 4 vectors of columns they went from 1.9x to 1.4x their floor here (every task 8-13 % faster, hot
-and cold; logits bit for bit the same), yet a one-row AVX2 step at a 4k context took 12.4-12.9 ms
-against 9.8-10.3 (its value loads stalled on memory, perf), and the default int4 model's serial
+and cold; logits bit for bit the same), yet a one-row AVX2 step at a 4k context took 12.4-12.7 ms
+against 9.8-10.5 (its value loads stalled on memory, perf), and the default int4 model's serial
 decode lost 7-21 % (161-181 against 195-210 tok/s, 5 pairs of processes). Asking for each row's
 later passes' lines in the first left the step as slow; passes of one head over whole rows were
 slower here already. None was kept.
