@@ -57,13 +57,13 @@ def environment(model, name: str = "default") -> dict:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.date.today().isoformat(),
-        "load_average": os.getloadavg()[0], "cpu_model": _cpu_model(),
+        "load_average": os.getloadavg()[0], "cpu_model": cpu_model(),
         # spinning OpenMP threads slow 2-thread runs 10-100x on a busy machine: PASSIVE for timings
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 
 from kvboost_engine.native import build
 
-from .._common import save_result
+from .._common import cpu_model, save_result
 
 HARNESS = r"""
 #include "@SOURCE@"
@@ -67,7 +66,7 @@ NI void run_scores(const float* const* q, const float* kb, const float* vb, cons
 NI void run_softmax(float* sc, float* const* ml) {
   for (int rh = 0; rh < R * H; ++rh) block_softmax(sc + rh * KEY_BLOCK, S, ml[rh]);
 }
-constexpr int RV = std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1))));   // as attend_shared
+constexpr int RV = shared_value_rows<D, H>();   // as attend_shared takes them
 NI void run_values(const float* vb, const int64_t* slots, const int64_t* const* own, const int* n, const float* sc,
                    float* const* out) {
   for (int r = 0; r + RV <= R; r += RV)
@@ -140,15 +139,6 @@ int main(int argc, char** argv) {
   std::printf("], \"checksum\": %.6f}\n", outb[5] + sc[3]);
 }
 """
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's model name (else the platform's machine)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return platform.machine()
 
 
 def run_variant(isa: str, iters: int, cold_blocks: int, workdir: Path) -> dict:

@@ -1319,6 +1319,11 @@ inline void shared_scores(const float* const* q, int R, int head_dim, const type
   }
 }
 
+// Rows whose value sums attend_shared takes in one pass (shared_values' RV): as many as keep their
+// accumulators (H heads x D vectors, twice where H D <= 8) within 24 registers, 1 to 4.
+template <int D, int H>
+constexpr int shared_value_rows() { return std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1)))); }
+
 // attend_heads for R rows (2 .. SHARED_ROWS) of one block whose first s keys they all read (the same
 // KV rows; slots), each row r then its own keys s .. n[r] (own[r]): row r's queries at q[r] + h * head_dim,
 // its partials at out / ml[r * H + h], bit for bit those of attend_heads for that row alone, with the
@@ -1345,7 +1350,7 @@ void attend_shared(const float* const* q, int R, int head_dim, const typename Kv
                                           sc + r * H * KEY_BLOCK, kt, ps, qc + r);
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) block_softmax(sc + (r * H + h) * KEY_BLOCK, n[r], ml[r * H + h]);
-  constexpr int RV = std::max(1, std::min(4, 24 / (H * D * (H * D <= 8 ? 2 : 1))));   // registers
+  constexpr int RV = shared_value_rows<D, H>();
   if constexpr (KT == KV_I8) {
     // Over int8 KV each value row the task reads is turned into floats once (code * scale: exact in
     // float32, kv_vec's numbers) into vrows, then summed as float32 rows (vat: each key's row there): the
