@@ -186,8 +186,7 @@ def weight_stats(model) -> dict:
     packed = getattr(model, "kvboost_packed", None)
     if packed is not None:
         out.update(weights_format=packed.get("format", "gguf"), weights_gguf=packed["gguf"],
-                   weights_cache_dir=packed["dir"], weights_requantized_error=packed["requantized_error"],
-                   weights_placement=packed["placement"])
+                   weights_cache_dir=packed["dir"], weights_requantized_error=packed["requantized_error"])
     from .weights.memory import weight_memory
     out.update(weight_memory(model))
     return out

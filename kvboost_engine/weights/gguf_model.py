@@ -6,9 +6,8 @@ repacked (gguf_repack.py) into the native kernel's layout and appended to a cach
 at a time (pack_file.py), with the config and tokenizer transformers reads from the GGUF, under
 the kvboost cache dir. Later loads read no GGUF at all: `load_packed_model` builds the model's
 skeleton with its parameters on the meta device (accelerate.init_empty_weights), then puts in
-PackedLinear / PackedEmbedding modules whose tensors are views of the cache file, read into huge
-pages or mapped (pack_file.read_pack), and the norms (float32, small) likewise. The weights' memory
-is that file's size either way.
+PackedLinear / PackedEmbedding modules whose tensors are views of the mapped cache file, and the
+norms (float32, small) likewise. Resident weight memory is the mapped file's pages.
 
 Conversions made on the way, each exact (row moves and one float32 subtraction): llama.cpp's
 interleaved q/k rows of llama-architecture files back to HF order; Gemma 3's norms stored as
@@ -37,7 +36,7 @@ from .gguf_file import GGUFFile, check_gguf
 from .gguf_header import read_architecture
 from .gguf_repack import repack, unpermute_rows, zero_code
 from .memory import available_bytes, check_fits
-from .pack_file import PackWriter, distinct_bytes, read_pack
+from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
 PACK_VERSION = "gguf-pack-1"
@@ -207,11 +206,9 @@ def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, con
 
 
 def load_packed_model(target: Path, config) -> nn.Module:
-    """The model of a repacked dir (packed_gguf_dir): weights are views of its file read into huge
-    pages, or of the file mapped (pack_file.read_pack)."""
+    """The model of a repacked dir (packed_gguf_dir): weights are views of its mapped file."""
     check_fits((target / DATA).stat().st_size, f"the model in {target}")
-    pack = read_pack(target / DATA, target / INDEX)
-    tensors, meta = pack.tensors, pack.meta
+    tensors, meta, span = read_pack(target / DATA, target / INDEX)
     model = skeleton(config)
     padding_idx = getattr(model.model.embed_tokens, "padding_idx", None)
     for name, spec in meta["matrices"].items():
@@ -239,9 +236,9 @@ def load_packed_model(target: Path, config) -> nn.Module:
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise InputError(f"{target}: no weights for {left[0]} ({len(left)} in all); delete the dir to repack")
-    model.kvboost_mapped = [pack.span] if pack.placement == "mapped" else []
-    model.kvboost_packed = {"dir": str(target), "bytes": distinct_bytes(tensors), "gguf": meta.get("gguf"),
-                            "requantized_error": meta.get("requantized_error", {}), "placement": pack.placement}
+    model.kvboost_mapped = [span]
+    model.kvboost_packed = {"dir": str(target), "mapped_bytes": mapped_bytes(tensors), "gguf": meta.get("gguf"),
+                            "requantized_error": meta.get("requantized_error", {})}
     return model.eval()
 
 

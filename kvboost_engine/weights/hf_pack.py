@@ -4,8 +4,7 @@ The first load converts tensor by tensor: each matrix is read alone from the saf
 (safetensors_file.py: its pages released after), quantized (formats.py's quantizers: int4 in groups of 32 with bf16 scale and zero,
 the head and embedding int8 per channel), repacked into the native kernel's layout and appended to
 the cache file (pack_file.py), so the peak is the converted weights plus about one float matrix.
-Later loads read that file (gguf_model.load_packed_model: into huge pages, or mapped) and never
-read the float checkpoint.
+Later loads map that file (gguf_model.load_packed_model) and never read the float checkpoint.
 The cache entry is keyed by the checkpoint files' paths, sizes and mtimes, and the format.
 
 The numbers are those of the int4/int8 modules of formats.py (same codes and scales): the native
@@ -165,5 +164,5 @@ def load_hf_packed(source: Path, fmt: str | None, config, tokenizer, device, dty
         model = load_packed_model(packed_hf_dir(source, fmt, config, tokenizer), config)
     model.kvboost_packed["format"] = fmt
     model.kvboost_weights = WeightsInfo(fmt, str(target / DATA), cached, time.perf_counter() - began,
-                                        model.kvboost_packed["bytes"])
+                                        model.kvboost_packed["mapped_bytes"])
     return model

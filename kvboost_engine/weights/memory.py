@@ -68,8 +68,7 @@ def check_fits(needed: int, what: str, budget: int | None = None) -> None:
 
 def weight_memory(model) -> dict:
     """Bytes of the model's distinct weight tensors: resident in this process's memory, and views
-    of a mapped file (`model.kvboost_mapped`: address ranges), which the page cache holds (a pack
-    file read into huge pages is resident: pack_file.read_pack)."""
+    of a mapped file (`model.kvboost_mapped`: address ranges), which the page cache holds."""
     import itertools
     ranges = getattr(model, "kvboost_mapped", ())
     seen, resident, mapped = set(), 0, 0
