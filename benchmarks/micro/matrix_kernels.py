@@ -24,10 +24,12 @@ columns, 8 vpdpbusd and 4 float operations (convert, scale, the two FMAs of the 
 12 vector operations where the floor counts 8, 1.5x if they share the two pipes, as the time says. From memory 1.58x in 4 KB pages and 1.52x in huge pages (a
 second run: 1.44x / 1.57x / 1.50x). One row is bound by the read: ~21 GB/s on one thread, x6-7.
 AVX2 (forced, 16 registers, 4 rows a pass): int4 8 rows 2.55x hot, int8 5.2x (its 8-bit codes go
-through vpmaddubsw as two nibbles). The engine-level effect of huge pages matches the ~4 % here
-(default int4, 8 chats over one prompt: +4-5 % in the machine's faster phase, none in its slower
-one nor serially, none on the 1.7B shape), so the packed weights stay a mapping of their file
-(page cache shared between processes) and this stays a tool.
+through vpmaddubsw as two nibbles). Huge pages at the engine level (the packed file read into
+them instead of mapped; probes, then a load change made and reverted): default int4, 8 chats over
+one prompt +4-5 % in the machine's faster phase, none in its slower one nor serially; the 1.7B
+shape's decode at an empty context, in rounds alternating with llama-bench, 30.4 / 30.1 / 37.3
+tok/s against 28.0 / 36.1 / 36.8 mapped (the machine's two speeds either way). So the packed
+weights stay a mapping of their file (page cache shared between processes) and this stays a tool.
 
 A note, not a README figure source: a kernel change that gains here must still be measured on the
 step (benchmarks.micro.native_steps, batching). Run alone on a quiet machine (about a minute a variant,
