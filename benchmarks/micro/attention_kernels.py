@@ -30,16 +30,12 @@ Smoke: python -m benchmarks.micro.attention_kernels --smoke
 """
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from kvboost_engine.native import build
-
 from .._common import cpu_model, save_result
+from . import native_harness
 
 HARNESS = r"""
 #include "@SOURCE@"
@@ -141,39 +137,16 @@ int main(int argc, char** argv) {
 """
 
 
-def run_variant(isa: str, iters: int, cold_blocks: int, workdir: Path) -> dict:
-    """Compile the harness for `isa` with the library's flags and run it: its JSON."""
-    cxx = build.compiler()
-    if cxx is None:
-        raise SystemExit("no C++ compiler (g++ or $CXX)")
-    src = workdir / f"attention_{isa}.cpp"
-    src.write_text(HARNESS.replace("@SOURCE@", str(build.SOURCE)))
-    exe = workdir / f"attention_{isa}"
-    flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")]
-    subprocess.run([cxx, *flags, *build.ISAS[isa][0], "-o", str(exe), str(src)], check=True,
-                   capture_output=True, text=True)
-    done = subprocess.run([str(exe), str(iters), str(cold_blocks)], check=True, capture_output=True, text=True)
-    return json.loads(done.stdout)
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", default="", help="comma-separated variants (default: every one this CPU runs)")
-    parser.add_argument("--smoke", action="store_true", help="a few iterations, a small cold set")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    isas = [i for i in args.isa.split(",") if i] or build.candidates()[0]
-    for isa in isas:
-        reason = build.isa_reason(isa)
-        if reason is not None:
-            raise SystemExit(f"{isa}: {reason}")
+    args = native_harness.arguments(__doc__.splitlines()[0], argv)
+    isas = native_harness.variants(args.isa)
     iters, cold_blocks = (20, 16) if args.smoke else (2000, 2000)
     result: dict = {"shape": "head_dim 64, 3 query heads per KV head, float32 KV, 256 keys, 8 rows",
                     "cpu_model": cpu_model(), "variants_run": isas,
                     "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for isa in isas:
-            got = run_variant(isa, iters, cold_blocks, Path(tmp))
+            got = native_harness.run("attention", HARNESS, isa, [iters, cold_blocks], Path(tmp))
             result["variants"][isa] = got
             print(f"{isa}: {got['fma_per_s'] / 1e9:.2f} G vector FMAs/s (VW {got['vw']})")
             for t in got["tasks"]:
