@@ -206,17 +206,20 @@ def test_prompt_chunk_rows_over_a_whole_key_block_match_steps(tmp_path, weights,
 
 
 WIDER = {"gqa3-d64": {"hidden_size": 192, "head_dim": 64, "num_attention_heads": 6, "num_key_value_heads": 2},
-         "group5": {"hidden_size": 160, "head_dim": 32, "num_attention_heads": 10, "num_key_value_heads": 2}}
+         "group5": {"hidden_size": 160, "head_dim": 32, "num_attention_heads": 10, "num_key_value_heads": 2},
+         "mha-d64": {"hidden_size": 128, "head_dim": 64, "num_attention_heads": 2, "num_key_value_heads": 2}}
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["kv-model", "kv-f16"])
 @pytest.mark.parametrize("shape", list(WIDER))
 def test_shared_tasks_at_wider_shapes_match_steps(shape, kv_dtype):
     """Shared attention tasks where a KV head serves 3 query heads of 64 (one accumulator per head,
-    the key columns held 4 lanes at a time) and 5 of 32 (two head groups per KV head), float32 and
-    float16 KV, with odd shared counts: a prompt chunk after 288 tokens (its rows share 33 and 41 keys
-    of the second block) and sequences over a shared prompt of 301 tokens (45 of it), bit for bit
-    token-by-token and serial steps."""
+    the key columns held 4 lanes at a time), 5 of 32 (two head groups per KV head) and 1 of 64 (even
+    and odd keys in two accumulators), float32 and float16 KV, with odd shared counts: a prompt chunk
+    after 288 tokens (its rows share 33 and 41 keys of the second block) and sequences over a shared
+    prompt of 301 tokens (45 of it), bit for bit token-by-token and serial steps. On AVX2 the first and
+    the last take shared_values' key tiles (their accumulators do not fit 16 registers), the one-row
+    steps do not."""
     from kvboost_engine.kv.paged import PagedSequence
     from kvboost_engine.kv.pool import BlockPool
     model = tiny_model("llama", seed=5, **WIDER[shape])
