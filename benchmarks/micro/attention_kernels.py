@@ -23,7 +23,11 @@ and cold; logits bit for bit the same), yet a one-row AVX2 step at a 4k context 
 against 9.8-10.5 (its value loads stalled on memory, perf), and the default int4 model's serial
 decode lost 7-21 % (161-181 against 195-210 tok/s, 5 pairs of processes). Asking for each row's
 later passes' lines in the first left the step as slow; passes of one head over whole rows were
-slower here already. None was kept.
+slower here already. None was kept. What was kept: attend_shared's rows read a block's value rows
+pass after pass (in cache after the first), and there AVX2 sums them in key tiles (shared_values'
+REREAD: each accumulator loaded and stored once per 3 keys, the same FMAs in the same order), which
+made 8 chats over one prompt decode 4 % faster on the step; one row keeps the spilling loop (key
+tiles made its attention 7-47 % slower on the step, though its values took 39 % less time here).
 Run alone on a quiet machine (about a minute per variant, most of it compiling decode.cpp):
   python -m benchmarks.micro.attention_kernels [--isa avx512,avx2] [--out benchmarks/results/attention_kernels.json]
 Smoke: python -m benchmarks.micro.attention_kernels --smoke
@@ -66,7 +70,7 @@ constexpr int RV = shared_value_rows<D, H>();   // as attend_shared takes them
 NI void run_values(const float* vb, const int64_t* slots, const int64_t* const* own, const int* n, const float* sc,
                    float* const* out) {
   for (int r = 0; r + RV <= R; r += RV)
-    shared_values<KV_F32, D, H, RV>(vb, slots, S, own + r, n + r, HD, sc + r * H * KEY_BLOCK, out + r * H);
+    shared_values<KV_F32, D, H, RV, true>(vb, slots, S, own + r, n + r, HD, sc + r * H * KEY_BLOCK, out + r * H);
 }
 // Vector FMAs a second: 12 independent chains (each FMA's inputs kept opaque, so none is merged)
 NI double fma_rate(long iters) {
