@@ -217,9 +217,9 @@ def test_shared_tasks_at_wider_shapes_match_steps(shape, kv_dtype):
     the key columns held 4 lanes at a time), 5 of 32 (two head groups per KV head) and 1 of 64 (even
     and odd keys in two accumulators), float32 and float16 KV, with odd shared counts: a prompt chunk
     after 288 tokens (its rows share 33 and 41 keys of the second block) and sequences over a shared
-    prompt of 301 tokens (45 of it), bit for bit token-by-token and serial steps. On AVX2 the first and
-    the last take shared_values' key tiles (their accumulators do not fit 16 registers), the one-row
-    steps do not."""
+    prompt of 301 tokens (45 of it), bit for bit token-by-token and serial steps. On AVX2 all three
+    take shared_values' key tiles (their accumulators do not fit 16 registers); the one-row steps they
+    are held to do not."""
     from kvboost_engine.kv.paged import PagedSequence
     from kvboost_engine.kv.pool import BlockPool
     model = tiny_model("llama", seed=5, **WIDER[shape])

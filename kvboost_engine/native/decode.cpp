@@ -963,6 +963,7 @@ inline void shared_values(const typename KvElem<KT>::type* vbase, const int64_t*
   constexpr bool two = H * D <= 8;
   if constexpr (REREAD && values_spill<D, H, RV>()) {
     // keys a tile: as many as keep the tile's weights, its value vectors and an accumulator in registers
+    // (3 at the default model's shape on AVX2); 4 where even and odd keys are apart (two accumulators)
     constexpr int T = two ? 4 : std::max(1, (REGISTERS - 3) / (RV * H + 1));
     constexpr int HD = H * D * VW, PAR = RV * HD;
     alignas(64) float acc[(two ? 2 : 1) * PAR] = {};
