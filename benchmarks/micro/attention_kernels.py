@@ -35,8 +35,6 @@ Smoke: python -m benchmarks.micro.attention_kernels --smoke
 from __future__ import annotations
 
 import sys
-import tempfile
-from pathlib import Path
 
 from .._common import cpu_model, save_result
 from . import native_harness
@@ -145,17 +143,16 @@ def main(argv=None) -> None:
     args = native_harness.arguments(__doc__.splitlines()[0], argv)
     isas = native_harness.variants(args.isa)
     iters, cold_blocks = (20, 16) if args.smoke else (2000, 2000)
+
+    def report(isa: str, got: dict) -> None:
+        print(f"{isa}: {got['fma_per_s'] / 1e9:.2f} G vector FMAs/s (VW {got['vw']})")
+        for t in got["tasks"]:
+            print(f"  {t['task']:<11} {t['kv']:<4} {t['us_per_task']:8.2f} us/task  {t['ns_per_row_key']:7.3f} "
+                  f"ns/row-key  floor {t['fma_floor_ns_per_row_key']:6.3f}  x{t['floor_ratio']:.2f}")
+
     result: dict = {"shape": "head_dim 64, 3 query heads per KV head, float32 KV, 256 keys, 8 rows",
                     "cpu_model": cpu_model(), "variants_run": isas,
-                    "variants": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for isa in isas:
-            got = native_harness.run("attention", HARNESS, isa, [iters, cold_blocks], Path(tmp))
-            result["variants"][isa] = got
-            print(f"{isa}: {got['fma_per_s'] / 1e9:.2f} G vector FMAs/s (VW {got['vw']})")
-            for t in got["tasks"]:
-                print(f"  {t['task']:<11} {t['kv']:<4} {t['us_per_task']:8.2f} us/task  {t['ns_per_row_key']:7.3f} "
-                      f"ns/row-key  floor {t['fma_floor_ns_per_row_key']:6.3f}  x{t['floor_ratio']:.2f}")
+                    "variants": native_harness.run_variants("attention", HARNESS, isas, [iters, cold_blocks], report)}
     if not args.smoke:
         print("wrote", save_result(result, args.out, "attention_kernels"))
 

@@ -40,7 +40,6 @@ Smoke: python -m benchmarks.micro.matrix_kernels --smoke
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 from .._common import cpu_model, save_result
@@ -168,16 +167,16 @@ def main(argv=None) -> None:
     args = native_harness.arguments(__doc__.splitlines()[0], argv)
     isas = native_harness.variants(args.isa)
     iters, cold_copies = (10, 8) if args.smoke else (400, 512)
+
+    def report(isa: str, got: dict) -> None:
+        print(f"{isa}: {got['macs_per_s'] / 1e9:.1f} G int8 multiply-adds/s (VW {got['vw']})")
+        for c in got["cases"]:
+            print(f"  int{c['bits']} M={c['rows_m']} {c['weights']:<9} {c['us_per_product']:7.2f} us  "
+                  f"{c['weight_gb_per_s']:6.2f} GB/s  floor {c['mac_floor_us']:6.2f} us  x{c['floor_ratio']:.2f}")
+
     result: dict = {"shape": "576 x 1536 (the default model's MLP down), one thread", "cpu_model": cpu_model(),
-                    "thp": thp_setting(), "variants_run": isas, "variants": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for isa in isas:
-            got = native_harness.run("matrix", HARNESS, isa, [iters, cold_copies], Path(tmp))
-            result["variants"][isa] = got
-            print(f"{isa}: {got['macs_per_s'] / 1e9:.1f} G int8 multiply-adds/s (VW {got['vw']})")
-            for c in got["cases"]:
-                print(f"  int{c['bits']} M={c['rows_m']} {c['weights']:<9} {c['us_per_product']:7.2f} us  "
-                      f"{c['weight_gb_per_s']:6.2f} GB/s  floor {c['mac_floor_us']:6.2f} us  x{c['floor_ratio']:.2f}")
+                    "thp": thp_setting(), "variants_run": isas,
+                    "variants": native_harness.run_variants("matrix", HARNESS, isas, [iters, cold_copies], report)}
     if not args.smoke:
         print("wrote", save_result(result, args.out, "matrix_kernels"))
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kvboost_engine.native import build
@@ -47,3 +49,14 @@ def run(name: str, harness: str, isa: str, args: list, workdir: Path) -> dict:
                    capture_output=True, text=True)
     done = subprocess.run([str(exe), *map(str, args)], check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
+
+
+def run_variants(name: str, harness: str, isas: list[str], args: list, report: Callable[[str, dict], None]) -> dict:
+    """`run` for each variant in `isas` (compiled in a temporary folder): {variant: its JSON}, each
+    handed to report(variant, JSON) as it comes."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for isa in isas:
+            out[isa] = run(name, harness, isa, args, Path(tmp))
+            report(isa, out[isa])
+    return out
