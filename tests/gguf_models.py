@@ -3,6 +3,8 @@ transformers and kvboost load (architecture metadata, a byte-level tokenizer, ev
 tensor types asked for."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
@@ -64,21 +66,56 @@ def write_metadata(path, arch: str, fill=None) -> None:
     w.close()
 
 
+def llama3_divisors(theta: float, dim: int, factor: float, low: float, high: float, context: int) -> np.ndarray:
+    """The rope_freqs llama.cpp's converter writes for a "llama3" rotary (its loop, in float32)."""
+    freqs = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _add_rope_scaling(w: GGUFWriter, rope: dict, head_dim: int, theta: float) -> None:
+    """rope: {"type": "llama3", factor, low, high, context} (a rope_freqs tensor, as the converter writes
+    it), or {"type": linear / yarn / anything, "factor", and optional GGUF scaling keys}."""
+    if rope["type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_divisors(theta, head_dim, *(rope[k] for k in (
+            "factor", "low", "high", "context"))))
+        return
+    w.add_string(f"{w.arch}.rope.scaling.type", rope["type"])
+    w.add_rope_scaling_factor(rope["factor"])
+    for key, add in (("original_context", w.add_rope_scaling_orig_ctx_len), ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", w.add_rope_scaling_yarn_beta_slow), ("attn_factor", w.add_rope_scaling_yarn_attn_factor),
+                     ("ext_factor", w.add_rope_scaling_yarn_ext_factor)):
+        if key in rope:
+            add(rope[key])
+
+
 def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | None = None, tied: bool = True,
-                bias: bool = False, seed: int = 0) -> None:
-    """A tiny `arch` model: matrices in `qtype` (the head in `head`, the embedding in `embed`)."""
+                bias: bool = False, seed: int = 0, rope: dict | None = None, theta: float = 10000.0,
+                context: int = 2048) -> None:
+    """A tiny `arch` model: matrices in `qtype` (the head in `head`, the embedding in `embed`); rope: its
+    rotary scaling as llama.cpp's converter writes it (_add_rope_scaling), theta its base, context its
+    context length."""
     rng = np.random.default_rng(seed)
     head_dim = HEAD_DIM.get(arch, HIDDEN // HEADS)
     vocab = VOCAB
     w = GGUFWriter(str(path), arch)
     w.add_name(f"{arch} tiny")
-    w.add_context_length(2048)
+    w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(INTER)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -113,6 +150,8 @@ def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | 
             values = rng.standard_normal(shape).astype(np.float32) * 0.05
             kind = kind or qtype
             w.add_tensor(name, values if kind == Q.F32 else quants.quantize(values, kind), raw_dtype=kind)
+    if rope is not None:
+        _add_rope_scaling(w, rope, head_dim, theta)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,7 +11,8 @@ norms (float32, small) likewise. Resident weight memory is the mapped file's pag
 
 Conversions made on the way, each exact (row moves and one float32 subtraction): llama.cpp's
 interleaved q/k rows of llama-architecture files back to HF order; Gemma 3's norms stored as
-1 + w back to w.
+1 + w back to w. The config gets the file's rotary scaling, which transformers' GGUF reader drops
+(gguf_rope.py: Llama 3.x's rope_freqs, linear, YaRN, longrope).
 """
 from __future__ import annotations
 
@@ -35,11 +36,12 @@ from .gguf_blocks import dequantize
 from .gguf_file import GGUFFile, check_gguf
 from .gguf_header import read_architecture
 from .gguf_repack import repack, unpermute_rows, zero_code
+from .gguf_rope import apply_gguf_rope
 from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
-PACK_VERSION = "gguf-pack-1"
+PACK_VERSION = "gguf-pack-2"   # 2: the file's rotary scaling in the config (gguf_rope.py; 1 dropped it)
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")   # the native step runs them as stored (decoder.py)
 FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
@@ -121,12 +123,21 @@ def _gguf_names(model: nn.Module, arch: str, layers: int) -> dict[str, str]:
     return out
 
 
+def gguf_config(gguf_path: Path):
+    """The config transformers reads from a GGUF, with the file's rotary scaling, which its reader
+    drops, put back (gguf_rope.py)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    apply_gguf_rope(config, GGUFFile(gguf_path))
+    return config
+
+
 def _build(gguf_path: Path, target: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     started = time.perf_counter()
     folder, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = gguf_config(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     file = GGUFFile(gguf_path)
     arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))

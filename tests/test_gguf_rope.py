@@ -1,0 +1,132 @@
+"""A GGUF's rotary scaling (weights/gguf_rope.py): Llama 3.x's rope_freqs, linear (Gemma 3 4B+), YaRN
+and their refusals. Tiny files written as llama.cpp's converter writes the scaling; the loaded model's
+rotary frequencies and scaling, as stored (packed) and converted to float, must equal those of the
+same architecture built by transformers from the model's own settings."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvboost_engine.errors import UnsupportedModelError
+from kvboost_engine.loading import converted_gguf_dir, load_model_and_tokenizer
+from kvboost_engine.model import compat
+from kvboost_engine.model.arch import SUPPORTED_ARCHITECTURES
+from kvboost_engine.weights.gguf_model import packed_gguf_dir
+from kvboost_engine.weights.gguf_rope import llama3_divisors, llama3_settings
+
+from gguf_models import Q, llama3_divisors as converter_divisors, write_model
+
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+
+
+def _rotary(model) -> dict:
+    """Every rotary frequency buffer and scaling of a model, by name."""
+    out = {name: buf.clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    out.update({f"{name}.attention_scaling": torch.tensor(float(m.attention_scaling))
+                for name, m in model.named_modules() if hasattr(m, "attention_scaling")})
+    assert out
+    return out
+
+
+def _reference(loaded, params: dict):
+    """The loaded model's architecture built by transformers with `params` as its rope settings."""
+    from transformers import AutoModelForCausalLM
+    config = type(loaded.config).from_dict(loaded.config.to_dict())
+    for key, value in compat.config_settings({"rope_parameters": params}, config.model_type).items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _check(path, params: dict):
+    for folder in (packed_gguf_dir(path), converted_gguf_dir(path)):
+        model, _ = load_model_and_tokenizer(folder, device=CPU, dtype=F32)
+        want, got = _rotary(_reference(model, params)), _rotary(model)
+        assert want.keys() == got.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=2e-5, atol=0, msg=name)
+
+
+LLAMA3 = [dict(theta=500000.0, factor=8.0, low=1.0, high=4.0, context=8192),       # Llama 3.1: 3 frequencies on the ramp
+          dict(theta=500000.0, factor=32.0, low=1.0, high=4.0, context=8192),      # Llama 3.2
+          dict(theta=10000.0, factor=8.0, low=1.0, high=1.5, context=8192),        # one on the ramp
+          dict(theta=10000.0, factor=8.0, low=1.0, high=1.1, context=8192)]        # none
+
+
+@pytest.mark.parametrize("case", LLAMA3, ids=lambda c: f"f{c['factor']:g}-h{c['high']:g}-t{c['theta']:g}")
+def test_llama3_rope_freqs_load_as_the_models_llama3_rotary(tmp_path, case):
+    path = tmp_path / "l3.gguf"
+    write_model(path, "llama", Q.Q8_0, embed=Q.Q8_0, theta=case["theta"], context=131072,
+                rope={"type": "llama3", **{k: case[k] for k in ("factor", "low", "high", "context")}})
+    _check(path, {"rope_type": "llama3", "rope_theta": case["theta"], "factor": case["factor"],
+                  "low_freq_factor": case["low"], "high_freq_factor": case["high"],
+                  "original_max_position_embeddings": case["context"]})
+    model, _ = load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32)
+    settings = compat.rope_parameters(model.config)
+    assert settings["rope_type"] == "llama3" and settings["factor"] == case["factor"]
+    if case["high"] == 4.0:                      # enough of a ramp to fix both: the model's own settings back
+        assert (settings["low_freq_factor"], settings["high_freq_factor"]) == (1.0, 4.0)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_llama3_settings_solve_the_converters_divisors(dim):
+    for case in LLAMA3:
+        divisors = converter_divisors(case["theta"], dim, case["factor"], case["low"], case["high"], case["context"])
+        settings = llama3_settings(divisors, case["theta"], dim)
+        np.testing.assert_allclose(llama3_divisors(settings, dim), divisors, rtol=3e-6)
+
+
+def test_divisors_of_no_llama3_rotary_are_refused():
+    with pytest.raises(UnsupportedModelError, match="not llama3"):
+        llama3_settings(np.linspace(4.0, 1.0, 32), 10000.0, 64)         # falling: no such ramp
+    with pytest.raises(UnsupportedModelError, match="not llama3"):
+        llama3_settings(np.ones(32), 10000.0, 64)                        # nothing scaled
+    bumpy = converter_divisors(500000.0, 64, 8.0, 1.0, 4.0, 8192).astype(np.float64)
+    bumpy[16] *= 1.3                                                     # one off the ramp's line
+    with pytest.raises(UnsupportedModelError, match="not llama3"):
+        llama3_settings(bumpy, 500000.0, 64)
+    with pytest.raises(UnsupportedModelError, match="64 values"):
+        llama3_settings(np.ones(64) * 2, 10000.0, 64)                   # one per frequency: 32 for 64 dimensions
+
+
+def test_linear_and_yarn_scaling_load(tmp_path):
+    linear = tmp_path / "linear.gguf"
+    write_model(linear, "llama", Q.Q8_0, embed=Q.Q8_0, rope={"type": "linear", "factor": 4.0})
+    _check(linear, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+    yarn = tmp_path / "yarn.gguf"
+    write_model(yarn, "qwen2", Q.Q8_0, embed=Q.Q8_0, bias=True, theta=1e6,
+                rope={"type": "yarn", "factor": 4.0, "original_context": 512, "beta_fast": 16.0, "attn_factor": 1.2})
+    _check(yarn, {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 512,
+                  "beta_fast": 16.0, "attention_factor": 1.2})
+    plain_yarn = tmp_path / "plain_yarn.gguf"
+    write_model(plain_yarn, "qwen3", Q.Q8_0, embed=Q.Q8_0, rope={"type": "yarn", "factor": 4.0, "original_context": 512})
+    _check(plain_yarn, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512})
+
+
+@pytest.mark.skipif("gemma3_text" not in SUPPORTED_ARCHITECTURES, reason="Gemma 3 needs transformers 5")
+def test_gemma3_linear_scaling_is_its_global_layers(tmp_path):
+    """Gemma 3 4B and larger scale the rotary of their global layers linearly (8x); the local layers
+    keep their own base."""
+    path = tmp_path / "g.gguf"
+    write_model(path, "gemma3", Q.Q8_0, embed=Q.Q8_0, theta=1e6, rope={"type": "linear", "factor": 8.0})
+    model, _ = load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32)
+    settings = compat.rope_parameters(model.config)
+    assert settings["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert settings["sliding_attention"]["rope_type"] == "default"
+    _check(path, {**settings, "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})
+
+
+def test_unknown_scaling_is_refused_not_dropped(tmp_path):
+    for name, rope in (("odd", {"type": "dynamic", "factor": 2.0}),
+                       ("ext", {"type": "yarn", "factor": 4.0, "original_context": 512, "ext_factor": 0.5})):
+        path = tmp_path / f"{name}.gguf"
+        write_model(path, "llama", Q.Q8_0, embed=Q.Q8_0, rope=rope)
+        with pytest.raises(UnsupportedModelError, match="dynamic|yarn_ext_factor"):
+            packed_gguf_dir(path)
+        with pytest.raises(UnsupportedModelError, match="dynamic|yarn_ext_factor"):
+            converted_gguf_dir(path)
