@@ -62,7 +62,7 @@ def scaled_rope(file: GGUFFile, base: dict, rope_dim: int) -> dict | None:
     if "rope_freqs.weight" in file.tensors:
         if kind not in (None, "none"):
             raise UnsupportedModelError(f"{file.path}: both rope_freqs and rope scaling type {kind!r}")
-        return llama3_settings(_floats(file, "rope_freqs.weight"), theta, rope_dim, file.path)
+        return {**base, **llama3_settings(_floats(file, "rope_freqs.weight"), theta, rope_dim, file.path)}
     if kind in (None, "none"):
         return None
     factor = file.field(key + "factor")
