@@ -20,8 +20,14 @@ llama-cpp-python 0.3.36 sdist).
            embedding rows as that vocabulary has), then the 270M GGUF's tokenizer entries copied
            into the BF16 GGUF (benchmarks/gguf_tokenizer.py), as the converter writes a tokenizer.json
            without tokenizer.model as a GPT-2 vocabulary that transformers cannot read back; Q4_0 only
+  llama3-8b  the same with Llama 3.1 8B's config (32 layers, 32 query heads over 8 KV heads of 128, its
+           "llama3" rotary scaling, which the converter stores as a rope_freqs tensor, an untied
+           128,256-row head: Q6_K in llama-quantize's Q4_0), the default model's tokenizer (vocabulary
+           padded by the converter); Q4_0 only. Building it takes ~16 GB of RAM (the bf16 model) and
+           ~37 GB of disk (HF directory 16, BF16 GGUF 16, Q4_0 4.7): the first two may be deleted
+           after, the Q4_0 file is used alone once it exists
 
-Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b,gemma3-1b]   (prints the files)
+Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b,gemma3-1b,llama3-8b]   (prints the files)
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "q8_0", "hf-int4"),
                  "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
                  "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4"),
                  "qwen3-1.7b": ("q4_0",),
-                 "gemma3-1b": ("q4_0",)}
+                 "gemma3-1b": ("q4_0",),
+                 "llama3-8b": ("q4_0",)}
 SMOLLM2_1P7B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                     intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0,
                     rms_norm_eps=1e-5, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
@@ -57,6 +64,12 @@ GEMMA3_1B = dict(hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, 
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                  hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1, pad_token_id=0,
                  initializer_range=0.02)
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                 rms_norm_eps=1e-5, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                 hidden_act="silu", initializer_range=0.02)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
@@ -102,7 +115,8 @@ def quantize(source: Path, target: Path, kind: str, requantize: bool = False) ->
 
 RANDOM = {"1.7b": ("smollm2-1.7b-random", "llama", SMOLLM2_1P7B, "LlamaForCausalLM"),
           "qwen3-1.7b": ("qwen3-1.7b-random", "qwen3", QWEN3_1P7B, "Qwen3ForCausalLM"),
-          "gemma3-1b": ("gemma3-1b-random", "gemma3_text", GEMMA3_1B, "Gemma3ForCausalLM")}
+          "gemma3-1b": ("gemma3-1b-random", "gemma3_text", GEMMA3_1B, "Gemma3ForCausalLM"),
+          "llama3-8b": ("llama3-8b-random", "llama", LLAMA3_8B, "LlamaForCausalLM")}
 TOKENIZER_OF = {"gemma3-1b": "gemma3"}    # a RANDOM model's tokenizer: that model's (else the default model's)
 
 
@@ -137,6 +151,9 @@ def random_gguf(fmt: str, model: str = "1.7b") -> Path:
     """A RANDOM model's GGUF in `fmt` (a GGUF_FORMATS key), via a BF16 GGUF (kept)."""
     name = RANDOM[model][0]
     folder = bench_dir(name)
+    target = folder / f"{name}.{GGUF_FORMATS[fmt]}.gguf"
+    if target.is_file():                        # (the BF16 file and HF directory may be deleted after)
+        return target
     bf16 = folder / f"{name}.BF16.gguf"
     if not bf16.is_file():
         tools = tools_dir()
@@ -151,7 +168,7 @@ def random_gguf(fmt: str, model: str = "1.7b") -> Path:
             _run([sys.executable, Path(__file__).with_name("gguf_tokenizer.py"), converted, donor, partial], env=env)
             converted.unlink()
         os.replace(partial, bf16)
-    return quantize(bf16, folder / f"{name}.{GGUF_FORMATS[fmt]}.gguf", GGUF_FORMATS[fmt])
+    return quantize(bf16, target, GGUF_FORMATS[fmt])
 
 
 def default_gguf(fmt: str) -> Path:

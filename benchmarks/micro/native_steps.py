@@ -10,6 +10,9 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
                    128, a 151,936-row tied head; not in the default --model list)
   gemma3-1b q4_0   Engine.from_pretrained(<the random Gemma 3 1B-shape Q4_0 GGUF>)   (4 query heads over 1
                    KV head of 256, windows on 5 layers of 6, a 262,144-row tied head; not in the default list)
+  llama3-8b q4_0   Engine.from_pretrained(<the random Llama-3.1-8B-shape Q4_0 GGUF>)   (8 KV heads of 128 for
+                   32 query heads, llama3 rotary scaling, an untied Q6_K head; not in the default list:
+                   --depths 0,512 keeps it to ~10 minutes)
   gemma3   fp32    Engine.from_pretrained("gemma3-270m")          (Gemma 3 270M base, float32: the default)
            int4    Engine.from_pretrained("gemma3-270m", weights="int4")
            q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; not in the default list)
@@ -66,6 +69,7 @@ from ..gguf_models import home, model_file, tools_dir
 from .gguf import PROMPT, _timed, _vm_kib
 
 CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",), "qwen3-1.7b": ("q4_0",), "gemma3-1b": ("q4_0",),
+           "llama3-8b": ("q4_0",),
            "gemma3": ("fp32", "int4", "q4_k_m", "q4_0")}
 
 
