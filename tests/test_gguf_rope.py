@@ -130,3 +130,34 @@ def test_unknown_scaling_is_refused_not_dropped(tmp_path):
             packed_gguf_dir(path)
         with pytest.raises(UnsupportedModelError, match="dynamic|yarn_ext_factor"):
             converted_gguf_dir(path)
+
+
+def test_longrope_factors_become_phi3s_settings(tmp_path):
+    """Phi-3 128k: the converter writes long and short factors as tensors and the attention factor and
+    original context as keys; they come back as transformers' longrope settings, which its Phi-3 accepts."""
+    from gguf import GGUFWriter
+    from transformers import AutoConfig
+    from kvboost_engine.weights.gguf_file import GGUFFile
+    from kvboost_engine.weights.gguf_rope import scaled_rope
+    rng = np.random.default_rng(0)
+    long, short = (1 + rng.random(16).astype(np.float32) * k for k in (30, 2))
+    path = tmp_path / "phi3.gguf"
+    w = GGUFWriter(str(path), "phi3")
+    w.add_string("phi3.rope.scaling.type", "longrope")
+    w.add_rope_scaling_attn_factors(1.19)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_tensor("rope_factors_long.weight", long)
+    w.add_tensor("rope_factors_short.weight", short)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    settings = scaled_rope(GGUFFile(path), {"rope_type": "default", "rope_theta": 10000.0}, 32)
+    assert settings["rope_type"] == "longrope" and settings["original_max_position_embeddings"] == 4096
+    assert settings["attention_factor"] == pytest.approx(1.19)
+    np.testing.assert_array_equal(settings["long_factor"], long)
+    np.testing.assert_array_equal(settings["short_factor"], short)
+    config = AutoConfig.for_model("phi3", **compat.config_settings(
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1, intermediate_size=256,
+             vocab_size=64, max_position_embeddings=131072, rope_parameters=settings), "phi3"))
+    assert compat.rope_parameters(config)["rope_type"] == "longrope"
