@@ -161,3 +161,39 @@ def test_longrope_factors_become_phi3s_settings(tmp_path):
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1, intermediate_size=256,
              vocab_size=64, max_position_embeddings=131072, rope_parameters=settings), "phi3"))
     assert compat.rope_parameters(config)["rope_type"] == "longrope"
+
+
+@pytest.mark.parametrize("rope,params", [
+    ({"type": "llama3", "factor": 8.0, "low": 1.0, "high": 4.0, "context": 8192},
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}),
+    ({"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"type": "yarn", "factor": 4.0, "original_context": 512}, {"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 512})], ids=str)
+def test_apply_puts_the_scaling_into_a_config(tmp_path, rope, params):
+    """apply_gguf_rope on a config as this transformers version builds it (4.x: rope_theta and rope_scaling;
+    5.x: rope_parameters), from a file holding only the scaling: the model built from the config has the
+    rotary of one built from the settings."""
+    from gguf import GGUFWriter
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from kvboost_engine.weights.gguf_file import GGUFFile
+    from kvboost_engine.weights.gguf_rope import apply_gguf_rope
+    from gguf_models import _add_rope_scaling
+    path = tmp_path / "scaling.gguf"
+    w = GGUFWriter(str(path), "llama")
+    _add_rope_scaling(w, rope, 64, 500000.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=256,
+                 vocab_size=64, max_position_embeddings=131072)
+    config = AutoConfig.for_model("llama", **compat.config_settings(
+        {**shape, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "llama"))
+    apply_gguf_rope(config, GGUFFile(path))
+    assert compat.rope_parameters(config)["rope_type"] == params["rope_type"]
+    want = AutoConfig.for_model("llama", **compat.config_settings(
+        {**shape, "rope_parameters": {"rope_theta": 500000.0, **params}}, "llama"))
+    got, ref = (_rotary(AutoModelForCausalLM.from_config(c)) for c in (config, want))
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=2e-5, atol=0, msg=name)

@@ -70,6 +70,7 @@ def config_settings(settings: dict, model_type: str) -> dict:
     if model_type == "phi3":        # v4's Phi-3 wants exactly {type, short_factor, long_factor}
         if "original_max_position_embeddings" in params:
             settings["original_max_position_embeddings"] = params.pop("original_max_position_embeddings")
+        params.pop("attention_factor", None)    # v4 derives it from the two lengths, as a GGUF's converter did
         params["type"] = params.pop("rope_type")
     settings["rope_scaling"] = params
     return settings
