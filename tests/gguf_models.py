@@ -82,7 +82,7 @@ def llama3_divisors(theta: float, dim: int, factor: float, low: float, high: flo
     return np.array(out, dtype=np.float32)
 
 
-def _add_rope_scaling(w: GGUFWriter, rope: dict, head_dim: int, theta: float) -> None:
+def add_rope_scaling(w: GGUFWriter, rope: dict, head_dim: int, theta: float) -> None:
     """rope: {"type": "llama3", factor, low, high, context} (a rope_freqs tensor, as the converter writes
     it), or {"type": linear / yarn / anything, "factor", and optional GGUF scaling keys}."""
     if rope["type"] == "llama3":
@@ -102,7 +102,7 @@ def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | 
                 bias: bool = False, seed: int = 0, rope: dict | None = None, theta: float = 10000.0,
                 context: int = 2048) -> None:
     """A tiny `arch` model: matrices in `qtype` (the head in `head`, the embedding in `embed`); rope: its
-    rotary scaling as llama.cpp's converter writes it (_add_rope_scaling), theta its base, context its
+    rotary scaling as llama.cpp's converter writes it (add_rope_scaling), theta its base, context its
     context length."""
     rng = np.random.default_rng(seed)
     head_dim = HEAD_DIM.get(arch, HIDDEN // HEADS)
@@ -151,7 +151,7 @@ def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | 
             kind = kind or qtype
             w.add_tensor(name, values if kind == Q.F32 else quants.quantize(values, kind), raw_dtype=kind)
     if rope is not None:
-        _add_rope_scaling(w, rope, head_dim, theta)
+        add_rope_scaling(w, rope, head_dim, theta)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -178,10 +178,10 @@ def test_apply_puts_the_scaling_into_a_config(tmp_path, rope, params):
     from transformers import AutoConfig, AutoModelForCausalLM
     from kvboost_engine.weights.gguf_file import GGUFFile
     from kvboost_engine.weights.gguf_rope import apply_gguf_rope
-    from gguf_models import _add_rope_scaling
+    from gguf_models import add_rope_scaling
     path = tmp_path / "scaling.gguf"
     w = GGUFWriter(str(path), "llama")
-    _add_rope_scaling(w, rope, 64, 500000.0)
+    add_rope_scaling(w, rope, 64, 500000.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -132,8 +132,8 @@ def llama3_settings(divisors: np.ndarray, theta: float, rope_dim: int, where="")
         if on_ramp.size:
             w, d = float(on_ramp[0]), float(divisors[ramp][0])
             high_wavelen = math.sqrt(last_fast * w)
-            s = (1.0 / d - 1.0 / factor) / (1.0 - 1.0 / factor)        # 1 / w = (s + low / (high - low)) ...
-            # with context / high_wavelen = high, the line through (1 / high_wavelen, 1) and (1 / w, s)
+            s = (1.0 / d - 1.0 / factor) / (1.0 - 1.0 / factor)
+            # the line in 1 / wavelength through (1 / high_wavelen, 1) and (1 / w, s); s = 0 past it
             slope = (1.0 - s) / (1.0 / high_wavelen - 1.0 / w)
             icept = 1.0 - slope / high_wavelen
             low_wavelen = -slope / icept if icept < 0 else math.inf
