@@ -27,7 +27,8 @@ llama-cpp-python 0.3.36 sdist).
            ~37 GB of disk (HF directory 16, BF16 GGUF 16, Q4_0 4.7): the first two may be deleted
            after, the Q4_0 file is used alone once it exists
 
-Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b,gemma3-1b,llama3-8b]   (prints the files)
+Run: python -m benchmarks.gguf_models [--model default,gemma3,1.7b,qwen3-1.7b,gemma3-1b,llama3-8b]   (prints the files;
+     the default list leaves out llama3-8b, NAMED_ONLY)
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ RANDOM = {"1.7b": ("smollm2-1.7b-random", "llama", SMOLLM2_1P7B, "LlamaForCausal
           "gemma3-1b": ("gemma3-1b-random", "gemma3_text", GEMMA3_1B, "Gemma3ForCausalLM"),
           "llama3-8b": ("llama3-8b-random", "llama", LLAMA3_8B, "LlamaForCausalLM")}
 TOKENIZER_OF = {"gemma3-1b": "gemma3"}    # a RANDOM model's tokenizer: that model's (else the default model's)
+NAMED_ONLY = ("llama3-8b",)               # built only where named (~16 GB of RAM, ~37 GB of disk), never by default
 
 
 def random_hf(model: str = "1.7b") -> Path:
@@ -215,7 +217,7 @@ def model_file(model: str, fmt: str) -> Path:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=",".join(MODEL_FORMATS))
+    parser.add_argument("--model", default=",".join(m for m in MODEL_FORMATS if m not in NAMED_ONLY))
     args = parser.parse_args(argv)
     for model in args.model.split(","):
         for fmt in MODEL_FORMATS[model]:

@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..gguf_models import MODEL_FORMATS, STORED, home, model_file, tools_dir
+from ..gguf_models import MODEL_FORMATS, NAMED_ONLY, STORED, home, model_file, tools_dir
 
 PROMPT = "The lighthouse keeper looked out at the storm and"
 
@@ -244,7 +244,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help=f"comma list of {', '.join(MODEL_FORMATS)}")
     parser.add_argument("--format", default="", help="comma list (default: every format of each model)")
-    parser.add_argument("--all", action="store_true", help="every model and format")
+    parser.add_argument("--all", action="store_true", help="every model and format (but the named-only llama3-8b)")
     parser.add_argument("--side", choices=("both", "ours", "llama"), default="both")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
         args.fmt = args.format
         print(json.dumps(measure_ours(args)))
         return
-    models = list(MODEL_FORMATS) if args.all else args.model.split(",")
+    models = [m for m in MODEL_FORMATS if m not in NAMED_ONLY] if args.all else args.model.split(",")
     rows = []
     for model in models:
         formats = [f for f in args.format.split(",") if f] if args.format and not args.all else MODEL_FORMATS[model]
