@@ -137,7 +137,7 @@ def default_gguf_file() -> Path:
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Convert a user's .gguf once; keyed by path, size, mtime and version (2: its rotary scaling kept)."""
+    """Convert a user's .gguf once; keyed by path, size, mtime and version (2: gguf_model.gguf_config)."""
     stat = gguf_path.stat()
     ident = xxhash.xxh64_hexdigest(f"convert-2:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "models" / f"{gguf_path.stem}-{ident}{compat.converted_dir_suffix()}"

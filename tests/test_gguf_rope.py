@@ -225,3 +225,20 @@ def test_the_native_step_takes_the_scaled_rotary(tmp_path):
             want, got = Forward(adapter)(kv_torch, [token], len(prompt) + n), decoder(kv_native, token, len(prompt) + n)
             assert ((got - want).norm() / want.norm()).item() < 0.04          # int8 activations: ~1.5 %
     assert compat.rope_parameters(model.config)["rope_type"] == "llama3"
+
+
+@pytest.mark.skipif("gemma3_text" not in SUPPORTED_ARCHITECTURES, reason="Gemma 3 needs transformers 5")
+def test_gemma3_attention_scale_follows_llama_cpp(tmp_path):
+    """A GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim, and hidden / heads for the 62-layer
+    27B (168); transformers' reader left its default, 256, which only the 256-wide heads of 270M-12B
+    match. The tiny file's heads are 64 wide."""
+    from types import SimpleNamespace
+    from kvboost_engine.weights.gguf_model import gemma3_query_scalar
+    path = tmp_path / "g.gguf"
+    write_model(path, "gemma3", Q.Q8_0, embed=Q.Q8_0)
+    for folder in (packed_gguf_dir(path), converted_gguf_dir(path)):
+        model, _ = load_model_and_tokenizer(folder, device=CPU, dtype=F32)
+        assert model.config.query_pre_attn_scalar == 64
+    gemma_27b = SimpleNamespace(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128)
+    gemma_4b = SimpleNamespace(num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, head_dim=256)
+    assert (gemma3_query_scalar(gemma_27b), gemma3_query_scalar(gemma_4b)) == (168, 256)

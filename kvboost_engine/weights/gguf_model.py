@@ -11,8 +11,8 @@ norms (float32, small) likewise. Resident weight memory is the mapped file's pag
 
 Conversions made on the way, each exact (row moves and one float32 subtraction): llama.cpp's
 interleaved q/k rows of llama-architecture files back to HF order; Gemma 3's norms stored as
-1 + w back to w. The config gets the file's rotary scaling, which transformers' GGUF reader drops
-(gguf_rope.py: Llama 3.x's rope_freqs, linear, YaRN, longrope).
+1 + w back to w. The config gets what transformers' GGUF reader drops (gguf_config): the rotary
+scaling (gguf_rope.py: Llama 3.x's rope_freqs, linear, YaRN, longrope) and Gemma 3's attention scale.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
-PACK_VERSION = "gguf-pack-2"   # 2: the file's rotary scaling in the config (gguf_rope.py; 1 dropped it)
+PACK_VERSION = "gguf-pack-2"   # 2: the config gets what transformers' reader drops (gguf_config; 1 lacked it)
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")   # the native step runs them as stored (decoder.py)
 FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
@@ -124,12 +124,23 @@ def _gguf_names(model: nn.Module, arch: str, layers: int) -> dict[str, str]:
 
 
 def gguf_config(gguf_path: Path):
-    """The config transformers reads from a GGUF, with the file's rotary scaling, which its reader
-    drops, put back (gguf_rope.py)."""
+    """The config transformers reads from a GGUF, with what its reader drops put back: the rotary
+    scaling (gguf_rope.py) and Gemma 3's attention scale (gemma3_query_scalar)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     apply_gguf_rope(config, GGUFFile(gguf_path))
+    if config.model_type == "gemma3_text":
+        config.query_pre_attn_scalar = gemma3_query_scalar(config)
     return config
+
+
+def gemma3_query_scalar(config) -> float:
+    """Gemma 3's query_pre_attn_scalar, which a GGUF does not store (transformers' reader leaves its
+    default, 256): llama.cpp takes hidden / heads for the 62-layer model (27B: 5376 / 32 = 168, its
+    config's value) and head_dim for every other (256 from 270M to 12B)."""
+    if config.num_hidden_layers == 62:
+        return config.hidden_size // config.num_attention_heads
+    return config.head_dim
 
 
 def _build(gguf_path: Path, target: Path) -> None:
