@@ -134,7 +134,7 @@ def gguf_config(gguf_path: Path):
     return config
 
 
-def gemma3_query_scalar(config) -> float:
+def gemma3_query_scalar(config) -> int:
     """Gemma 3's query_pre_attn_scalar, which a GGUF does not store (transformers' reader leaves its
     default, 256): llama.cpp takes hidden / heads for the 62-layer model (27B: 5376 / 32 = 168, its
     config's value) and head_dim for every other (256 from 270M to 12B)."""
