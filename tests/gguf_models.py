@@ -67,7 +67,9 @@ def write_metadata(path, arch: str, fill=None) -> None:
 
 
 def llama3_divisors(theta: float, dim: int, factor: float, low: float, high: float, context: int) -> np.ndarray:
-    """The rope_freqs llama.cpp's converter writes for a "llama3" rotary (its loop, in float32)."""
+    """The rope_freqs llama.cpp's converter writes for a "llama3" rotary (its loop, in float32): the
+    tests' own copy of it, so the solver in weights/gguf_rope.py is checked against the converter, not
+    against its own llama3_divisors."""
     freqs = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     out = []
     for freq in freqs:
@@ -156,3 +158,24 @@ def write_model(path, arch: str, qtype: Q, *, head: Q | None = None, embed: Q | 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def native_tracks_torch(model, prompt: list[int], steps: int, capacity: int, tolerance: float = 0.04) -> None:
+    """The native step's decode logits of `model` (a packed GGUF model) track its PyTorch loop over the
+    same codes, `steps` tokens after `prompt`, within `tolerance` (relative norm: int8 activations ~1.5 %)."""
+    import torch
+
+    from kvboost_engine.kv.contiguous import SequenceKV
+    from kvboost_engine.model.arch import ModelAdapter
+    from kvboost_engine.model.forward import Forward
+    from kvboost_engine.native.decoder import native_decoder
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    kv_torch, kv_native = (SequenceKV(adapter.geometry, capacity, adapter.device) for _ in range(2))
+    with torch.inference_mode():
+        Forward(adapter)(kv_torch, prompt, 0)
+        Forward(adapter)(kv_native, prompt, 0)
+        for n, token in enumerate(prompt[:steps]):
+            want, got = Forward(adapter)(kv_torch, [token], len(prompt) + n), decoder(kv_native, token, len(prompt) + n)
+            assert ((got - want).norm() / want.norm()).item() < tolerance

@@ -123,12 +123,13 @@ def _gguf_names(model: nn.Module, arch: str, layers: int) -> dict[str, str]:
     return out
 
 
-def gguf_config(gguf_path: Path):
+def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
     """The config transformers reads from a GGUF, with what its reader drops put back: the rotary
-    scaling (gguf_rope.py) and Gemma 3's attention scale (gemma3_query_scalar)."""
+    scaling (gguf_rope.py) and Gemma 3's attention scale (gemma3_query_scalar). file: the GGUF
+    already opened, if it is."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    apply_gguf_rope(config, GGUFFile(gguf_path))
+    apply_gguf_rope(config, file or GGUFFile(gguf_path))
     if config.model_type == "gemma3_text":
         config.query_pre_attn_scalar = gemma3_query_scalar(config)
     return config
@@ -148,9 +149,9 @@ def _build(gguf_path: Path, target: Path) -> None:
 
     started = time.perf_counter()
     folder, name = str(gguf_path.parent), gguf_path.name
-    config = gguf_config(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     file = GGUFFile(gguf_path)
+    config = gguf_config(gguf_path, file)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))
     model = skeleton(config)
     write_packed_dir(target, lambda writer: _write_tensors(model, file, arch, layers, config, writer),
