@@ -4,6 +4,8 @@ dequantized model of the same file (exact types: bit for bit; re-quantized types
 stated error); a cached reload reads no GGUF; bad input is refused before anything is built."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -57,7 +59,7 @@ def test_untied_head_and_k_quants(tmp_path):
     write_model(path, "llama", Q.Q4_K, head=Q.Q5_K, embed=Q.Q8_0, tied=False)
     packed, ours, reference = _both(path)
     assert packed.lm_head is not packed.model.embed_tokens.table
-    assert packed.lm_head.bits == 8 and packed.lm_head.d.dtype == torch.float32
+    assert packed.lm_head.bits == 8 and packed.lm_head.d.dtype == torch.uint8 and packed.lm_head.d2.dtype == torch.float16
     assert torch.equal(ours, reference)
 
 
@@ -106,6 +108,21 @@ def test_cached_reload_reads_no_gguf_and_maps_the_weights(tmp_path, monkeypatch)
     assert end - start == size
     for tensor in (model.model.layers[0].mlp.down_proj.codes, model.lm_head.d, model.model.norm.weight):
         assert start <= tensor.data_ptr() < end
+
+
+def test_a_new_pack_removes_the_superseded_packs_of_its_file(tmp_path, monkeypatch):
+    path, other = tmp_path / "m.gguf", tmp_path / "o.gguf"
+    write_model(path, "llama", Q.Q4_1, embed=Q.Q8_0)
+    write_model(other, "llama", Q.Q4_1, embed=Q.Q8_0)
+    current = gguf_model.PACK_VERSION
+    monkeypatch.setattr(gguf_model, "PACK_VERSION", "gguf-pack-old")
+    old, kept = packed_gguf_dir(path), packed_gguf_dir(other)
+    monkeypatch.setattr(gguf_model, "PACK_VERSION", current)
+    new = packed_gguf_dir(path)                        # a new pack version: packed again
+    assert new != old and gguf_model.is_packed_dir(new)
+    assert not old.exists() and gguf_model.is_packed_dir(kept)       # another file's pack stays
+    os.utime(path, ns=(1, 1))                            # the file changed: its pack is rebuilt, the old one goes
+    assert packed_gguf_dir(path) != new and not new.exists()
 
 
 def test_engine_loads_a_gguf_as_stored_and_decodes(tmp_path):

@@ -228,3 +228,29 @@ def test_gemma3_attention_scale_follows_llama_cpp(tmp_path):
     gemma_27b = SimpleNamespace(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128)
     gemma_4b = SimpleNamespace(num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, head_dim=256)
     assert (gemma3_query_scalar(gemma_27b), gemma3_query_scalar(gemma_4b)) == (168, 256)
+
+
+def test_a_yarn_rotary_is_tabled_for_the_native_step(tmp_path):
+    """YaRN's frequencies and attention factor do not depend on the sequence length (transformers
+    updates only "dynamic" and longrope in the forward), so the step reads them from one table: the
+    numbers the model's rotary gives at each position, and its logits track the PyTorch loop."""
+    from kvboost_engine.model.arch import ModelAdapter
+    from kvboost_engine.native import build
+    from kvboost_engine.native.decoder import native_decoder
+    if build.cpu_reason() or not build.compiler():
+        pytest.skip("the native step cannot run here")
+    path = tmp_path / "yarn.gguf"
+    write_model(path, "qwen2", Q.Q8_0, embed=Q.Q8_0, bias=True, theta=1e6,
+                rope={"type": "yarn", "factor": 4.0, "original_context": 128, "attn_factor": 1.2})
+    model, _ = load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32)
+    decoder, reason = native_decoder(ModelAdapter(model), threads=2)
+    assert decoder is not None, reason
+    assert decoder._static_rope
+    positions = (0, 1, 127, 128, 300, 1500)
+    tabled = [decoder._rotary(p) for p in positions]
+    decoder._static_rope = False                        # each position from the model's rotary module
+    direct = [decoder._rotary(p) for p in positions]
+    assert all(torch.equal(a, b) for t, d in zip(tabled, direct) for a, b in zip(t, d))
+    assert not torch.equal(direct[-1][0], torch.cos(torch.zeros_like(direct[-1][0])))
+    decoder.close()
+    native_tracks_torch(model, [256] + [72, 101, 108, 108, 111, 32] * 40, steps=4, capacity=512)

@@ -83,6 +83,10 @@ def test_variant_packed_step_tracks_the_pytorch_step(isa, formats, head):
     test_native_packed.test_packed_model_decodes_natively_like_the_pytorch_path(formats, head, _contiguous)
 
 
+def test_variant_k_quant_two_level_scales_are_exact(isa):
+    test_native_packed.test_k_quant_two_level_scales_give_the_numbers_of_their_float32_products()
+
+
 def test_variant_numbers_do_not_depend_on_threads(isa, tmp_path):
     test_native_decode.test_a_step_gives_the_same_numbers_on_any_number_of_threads(tmp_path, "int4")
 

@@ -224,3 +224,68 @@ def test_a_tied_packed_embedding_is_decoded_natively_with_its_numbers(head, zero
         if native:                                  # an id past the table: refused natively, the lookup's own error
             with pytest.raises(IndexError):
                 decoder._embed([model.lm_head.out_features])
+
+
+def k_quant_linear(linear: nn.Linear, bits: int, two_level: bool = True) -> PackedLinear:
+    """`linear` quantized as Q4_K / Q5_K store it: per block of 32 a 6-bit scale and minimum, per
+    super-block of 256 a float16 d and dmin (w = d * sc * code - dmin * mn). two_level: kept as
+    stored (uint8 d and m, float16 d2 and m2); else as their float32 products."""
+    from kvboost_engine.weights.packed import tile_scales
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    blocks = w.view(n, k // BLOCK, BLOCK)
+    scale = (blocks.amax(-1) - blocks.amin(-1)) / (2 ** bits - 1)              # [N, B]
+    low = (-blocks.amin(-1)).clamp_min(0)
+    d = (scale.view(n, -1, 8).amax(-1) / 63).clamp_min(1e-4).half().float()     # [N, B / 8]
+    dmin = (low.view(n, -1, 8).amax(-1) / 63).clamp_min(1e-4).half().float()
+    sc = (scale / d.repeat_interleave(8, 1)).round().clamp(1, 63)
+    mn = (low / dmin.repeat_interleave(8, 1)).round().clamp(0, 63)
+    step, floor = d.repeat_interleave(8, 1) * sc, dmin.repeat_interleave(8, 1) * mn
+    codes = ((blocks + floor[..., None]) / step[..., None]).round().clamp(0, 2 ** bits - 1).to(torch.uint8).view(n, k)
+    if not two_level:
+        packed = pack_codes(codes, step, -floor, bits, F32, F32)
+        return PackedLinear(packed["codes"], packed["d"], packed["m"], bits, n, k, linear.bias)
+    packed = pack_codes(codes, sc, mn, bits, torch.uint8, torch.uint8)
+    return PackedLinear(packed["codes"], packed["d"], packed["m"], bits, n, k, linear.bias,
+                        d2=tile_scales(d, F16), m2=tile_scales(-dmin, F16))
+
+
+def _k_quant_model(two_level: bool, tied: bool = False):
+    model = tiny_model("llama", seed=9, hidden_size=256, intermediate_size=512, tie_word_embeddings=tied)
+    for i, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, k_quant_linear(child, 4 if i % 2 == 0 else 8, two_level))
+    model.lm_head = k_quant_linear(model.lm_head, 8, two_level)
+    return model
+
+
+@needs_cpu
+def test_k_quant_two_level_scales_give_the_numbers_of_their_float32_products():
+    """Q4_K / Q5_K kept with their two levels (uint8 sub-block scale and minimum, float16 super-block
+    d and -dmin): the step multiplies them out exactly, bit for bit the step over float32 d and m
+    (as packed before); the PyTorch path's weights are equal too; the tied embedding is decoded natively."""
+    from kvboost_engine.weights.packed import PackedEmbedding
+    two, flat = _k_quant_model(True), _k_quant_model(False)
+    for a, b in zip([m for m in two.modules() if isinstance(m, PackedLinear)],
+                    [m for m in flat.modules() if isinstance(m, PackedLinear)]):
+        assert a.d.dtype == torch.uint8 and b.d.dtype == F32
+        assert torch.equal(a.dequantized(), b.dequantized())
+        assert torch.equal(a.dequantized(16, 48), b.dequantized(16, 48))
+    assert weights_kind(ModelAdapter(two)) == "packed"
+    assert all(torch.equal(x, y) for x, y in zip(_native_logits(two), _native_logits(flat)))
+    for want, got in _decode_both(two, _paged)[0]:
+        assert ((got - want).norm() / want.norm()).item() < 0.015
+    two.model.embed_tokens = PackedEmbedding(two.lm_head)
+    decoder, reason = native_decoder(ModelAdapter(two), threads=2)
+    assert decoder is not None and decoder._embed_native, reason
+    ids = [0, 1, 15, 16, 17, two.lm_head.out_features - 1]
+    with torch.inference_mode():
+        assert torch.equal(decoder._embed(ids), PackedEmbedding(flat.lm_head)(torch.tensor([ids]))[0])
+        one = two.model.embed_tokens(torch.tensor([[5]]))[0, 0]                # PackedEmbedding._one
+        assert torch.equal(one, PackedEmbedding(flat.lm_head)(torch.tensor([5]))[0])
+    decoder.close()
+    with pytest.raises(ValueError, match="super-blocks"):
+        a = two.lm_head
+        PackedLinear(a.codes, a.d, a.m.half(), a.bits, a.out_features, a.in_features, d2=a.d2, m2=a.m2)

@@ -6,6 +6,8 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
            int4    Engine.from_pretrained(weights="int4")
            q4_0    Engine.from_pretrained(<the default model's Q4_0 GGUF>)   (packed codes as stored)
   1.7b     q4_0    Engine.from_pretrained(<the random SmolLM2-1.7B-shape Q4_0 GGUF>)
+           q4_k_m  Engine.from_pretrained(<its Q4_K_M GGUF>)   (Q4_K layers, Q6_K v / down / head: the file a
+                   user most often has; only where --config names it)
   qwen3-1.7b q4_0  Engine.from_pretrained(<the random Qwen3-1.7B-shape Q4_0 GGUF>)   (q/k norms, head_dim
                    128, a 151,936-row tied head; not in the default --model list)
   gemma3-1b q4_0   Engine.from_pretrained(<the random Gemma 3 1B-shape Q4_0 GGUF>)   (4 query heads over 1
@@ -17,7 +19,10 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
            int4    Engine.from_pretrained("gemma3-270m", weights="int4")
            q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; not in the default list)
            q4_0    Engine.from_pretrained(<that file requantized to Q4_0>)
-Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked).
+Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked), or
+on the file of `--llama-format` (q4_k_m: the same Q4_K_M file as ours, which llama.cpp also repacks):
+  python -m benchmarks.micro.native_steps --model 1.7b --config q4_k_m --llama-format q4_k_m \
+      --depths 0,512 --out benchmarks/results/native_steps_1p7b_q4km.json
 
 Ours:
   prefill_tok_s    a `--prefill-tokens` prompt (evaluation text) on an engine with cache_bytes=0 over the
@@ -68,9 +73,10 @@ from pathlib import Path
 from ..gguf_models import home, model_file, tools_dir
 from .gguf import PROMPT, _timed, _vm_kib
 
-CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0",), "qwen3-1.7b": ("q4_0",), "gemma3-1b": ("q4_0",),
+CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0", "q4_k_m"), "qwen3-1.7b": ("q4_0",), "gemma3-1b": ("q4_0",),
            "llama3-8b": ("q4_0",),
            "gemma3": ("fp32", "int4", "q4_k_m", "q4_0")}
+NAMED_ONLY = {("1.7b", "q4_k_m")}              # run only where --config names them
 
 
 def context_ids(tokenizer, n: int) -> list[int]:
@@ -152,8 +158,8 @@ def llama_bench(path: Path, args, extra: list[str]) -> list[dict]:
 
 
 def run_llama(model: str, args, kv: str = "f16") -> dict:
-    path = model_file(model, "q4_0")
-    row = {"model": model, "config": "q4_0", "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg(),
+    path = model_file(model, args.llama_format)
+    row = {"model": model, "config": args.llama_format, "side": "llama.cpp", "file": str(path), "load_average": os.getloadavg(),
            "isa": args.llama_variant or "native build", "kv": kv}
     kv_args = [] if kv == "f16" else ["-ctk", kv, "-ctv", kv, "-fa", "on"]     # a quantized V needs flash attention
     bench = home() / f"llama-tools-{args.llama_variant}" / "bin" / "llama-bench"
@@ -239,6 +245,8 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-kv", default="f16", help="comma list of llama.cpp's KV cache types (llama-bench -ctk / "
                         "-ctv; q8_0 with -fa on); our int8 KV rows compare with its q8_0 row where there is one")
     parser.add_argument("--llama-variant", default="", help="llama.cpp tools variant (avx2: the AVX2-only build)")
+    parser.add_argument("--llama-format", default="q4_0", help="the model's file llama.cpp runs (q4_0: its best "
+                        "4-bit format here; q4_k_m: the Q4_K_M file, against our q4_k_m row)")
     parser.add_argument("--rounds", type=int, default=1, help="run every row this many times, ours and llama.cpp "
                         "alternating; the table gives median speeds and the median of each round's ratio (this "
                         "machine's speed drifts by 15-40 %% between processes minutes apart)")
@@ -258,7 +266,8 @@ def main(argv=None) -> None:
         for model in args.model.split(","):
             if args.side in ("both", "ours"):
                 wanted = [c for c in args.config.split(",") if c]
-                for config in [c for c in CONFIGS[model] if not wanted or c in wanted or f"{model}:{c}" in wanted]:
+                named = [c for c in CONFIGS[model] if c in wanted or f"{model}:{c}" in wanted]
+                for config in named or [c for c in CONFIGS[model] if not wanted and (model, c) not in NAMED_ONLY]:
                     for isa in args.isa.split(","):
                         for kv_dtype in args.kv_dtype.split(","):
                             rows.append({**run_ours(model, config, args, isa, kv_dtype), "round": round_})

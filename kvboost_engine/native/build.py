@@ -32,7 +32,7 @@ from ..paths import build_lock, cache_home
 from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 14
+ABI_VERSION = 15
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 # variant: (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS = {

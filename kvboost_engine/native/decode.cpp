@@ -48,8 +48,10 @@ constexpr size_t PREFETCH = 8192;   // bytes of weight codes asked for ahead of 
                                     // 2 KB into L1 before: the L2 hint 8 KB on made a Zen 4 1-row int4
                                     // step 10-13 % faster, the 1.7B AVX2 step 27 %, in paired probes)
 
-enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3 };   // element type of a matrix's d and m
-                                                                    // (S_NONE: m not stored)
+enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3, S_U8 = 4 };   // element type of a matrix's d and m
+    // (S_NONE: m not stored; S_U8: a K-quant's 6-bit sub-block scale or minimum as uint8, times its
+    // float16 super-block scale in d2 / m2, one per 8 blocks: the product, exact in float32, is the
+    // d or m a float32 scale would hold, read in 4.6 bits a weight instead of 6)
 enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };   // element type of the KV (kv_dtype)
 constexpr int KV_I8_BLOCK = 32;   // values per float16 scale of an int8 KV row (kv/element.py)
 constexpr int MAX_I8_HEAD_DIM = 1024;   // the widest head scored against int8 queries (i8_scores' scratch; wider: float queries)
@@ -59,6 +61,8 @@ struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks
   const void* d;             // d_type [tiles][blocks][16]: code scale
   const void* m;             // m_type [tiles][blocks][16] or null: with `zero`, the value of code 0 is m - zero * d
   const float* bias;         // [rows] or null
+  const uint16_t* d2;        // S_U8 d / m: float16 [tiles][blocks / 8][16], the super-block scales (else null)
+  const uint16_t* m2;
   int rows, cols, bits;
   int d_type, m_type;        // ScaleType: d bf16 / fp16 / fp32, m bf16 / fp16 / fp32 / none
   float zero;                // the code whose value is m (0: m is code 0's value; a power of two where m is none)
@@ -97,7 +101,7 @@ struct Layer {
 //   vexp(v)                           e^v (v <= 88; 0 below the float range)
 //   load_scales<T>(p, i)              VW scales of ScaleType T from p + i, as floats
 //   f16_scalar(h) bf16_scalar(h)      one scale; f16_bcast(h): a float16 in every lane
-//   i8_to_f32(p)                      VW int8 values as floats
+//   i8_to_f32(p) u8_to_f32(p)         VW int8 / uint8 values as floats
 //   dot_block<BITS, R>(wp, half, xb, s)  vi s[r] (VW int32 lanes): the exact dot products of the
 //                                     codes of one (tile, block) at wp, output rows half * VW .. + VW
 //                                     (HALVES = TILE / VW per tile), with the 32 int8 activations of
@@ -196,6 +200,7 @@ inline vf bf16_to_f32(const uint16_t* p) {
 }
 inline vf f16_to_f32(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vf i8_to_f32(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+inline vf u8_to_f32(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 inline vf f16_bcast(uint16_t v) { return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(v))); }
 inline float f16_scalar(uint16_t v) { return _mm512_cvtss_f32(f16_bcast(v)); }
 
@@ -354,6 +359,7 @@ inline vf bf16_to_f32(const uint16_t* p) {
 }
 inline vf f16_to_f32(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vf i8_to_f32(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline vf u8_to_f32(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline vf f16_bcast(uint16_t v) { return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(v))); }
 inline float f16_scalar(uint16_t v) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(v)))); }
 
@@ -491,13 +497,16 @@ inline float bf16_scalar(uint16_t v) {
   return out;
 }
 
-// VW scales from p + i, of element type T, as floats
+// VW scales from p + i, of element type T, as floats (S_U8: times the float16 super-block scales at
+// p2 + i2, each product exact)
 template <int T>
-inline vf load_scales(const void* p, size_t i) {
+inline vf load_scales(const void* p, size_t i, const uint16_t* p2 = nullptr, size_t i2 = 0) {
   if constexpr (T == S_BF16) {
     return bf16_to_f32(static_cast<const uint16_t*>(p) + i);
   } else if constexpr (T == S_F16) {
     return f16_to_f32(static_cast<const uint16_t*>(p) + i);
+  } else if constexpr (T == S_U8) {
+    return vmul(u8_to_f32(static_cast<const uint8_t*>(p) + i), f16_to_f32(p2 + i2));
   } else {
     return vload(static_cast<const float*>(p) + i);
   }
@@ -529,6 +538,23 @@ inline float scale_at(const void* p, int type, size_t i) {
   return static_cast<const float*>(p)[i];
 }
 
+// Index of the super-block scale (S_U8) of tile t, block b, row r
+inline size_t super_at(const QMat& w, size_t t, int b, int r) {
+  return (t * (w.cols / BLOCK / 8) + b / 8) * TILE + r;
+}
+
+// d and m of row r of tile t, block b, as floats (the step's own numbers)
+inline float d_at(const QMat& w, size_t t, int b, int r) {
+  const size_t i = (t * (w.cols / BLOCK) + b) * TILE + r;
+  if (w.d_type == S_U8) return static_cast<float>(static_cast<const uint8_t*>(w.d)[i]) * f16_scalar(w.d2[super_at(w, t, b, r)]);
+  return scale_at(w.d, w.d_type, i);
+}
+inline float m_at(const QMat& w, size_t t, int b, int r) {
+  const size_t i = (t * (w.cols / BLOCK) + b) * TILE + r;
+  if (w.m_type == S_U8) return static_cast<float>(static_cast<const uint8_t*>(w.m)[i]) * f16_scalar(w.m2[super_at(w, t, b, r)]);
+  return scale_at(w.m, w.m_type, i);
+}
+
 // Activations of M rows, quantized per row (quantize): row r's codes at xq + r * xq_stride, its
 // block scales and sums at dx / sx + r * s_stride; the float rows (for float weights) at x + r * x_stride.
 struct Acts {
@@ -550,6 +576,7 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
   const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
   const size_t tile_bytes = static_cast<size_t>(blocks) * block_bytes;
   const size_t sp = static_cast<size_t>(t) * blocks * TILE;
+  const size_t sp2 = static_cast<size_t>(t) * (blocks / 8) * TILE;      // S_U8: the super-block scales
   const int32_t* xw[R];
   const float *dx[R], *sx[R];
   for (int r = 0; r < R; ++r) {
@@ -572,10 +599,11 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
       for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
       for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
       dot_block<BITS, R>(wb, h, xb, s);
-      const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW);
+      const size_t i2 = sp2 + (b / 8) * TILE + h * VW;
+      const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW, w.d2, i2);
       vf mv;                                   // code 0's value: m - zero * d (each product exact)
       if constexpr (MT == S_NONE) mv = vmul(dv, neg_zero);
-      else mv = vfnma(dv, zero, load_scales<MT>(w.m, sp + b * TILE + h * VW));
+      else mv = vfnma(dv, zero, load_scales<MT>(w.m, sp + b * TILE + h * VW, w.m2, i2));
       for (int r = 0; r < R; ++r) {
         acc[r] = vfma(vcvt(s[r]), vmul(dv, vset1(dx[r][b])), acc[r]);
         acc[r] = vfma(mv, vset1(sx[r][b]), acc[r]);
@@ -622,6 +650,7 @@ void gemm(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, i
     case DT * 4 + S_F16: return gemm_bits<DT, S_F16>(w, a, M, y, y_stride, t0, t1);   \
     case DT * 4 + S_F32: return gemm_bits<DT, S_F32>(w, a, M, y, y_stride, t0, t1);   \
     case DT * 4 + S_NONE: return gemm_bits<DT, S_NONE>(w, a, M, y, y_stride, t0, t1);
+  if (w.d_type == S_U8 && w.m_type == S_U8) return gemm_bits<S_U8, S_U8>(w, a, M, y, y_stride, t0, t1);
   switch (w.d_type * 4 + w.m_type) {
     KVB_M_TYPES(S_BF16)
     KVB_M_TYPES(S_F16)
@@ -714,8 +743,8 @@ float exact_row(const QMat& w, int n, const float* x) {
   double total = 0.0;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
-    float d = scale_at(w.d, w.d_type, (static_cast<size_t>(t) * blocks + b) * TILE + r);
-    float m = scale_at(w.m, w.m_type, (static_cast<size_t>(t) * blocks + b) * TILE + r) - w.zero * d;
+    float d = d_at(w, t, b, r);
+    float m = m_at(w, t, b, r) - w.zero * d;
     for (int c = 0; c < BLOCK; ++c)
       total += static_cast<double>(static_cast<float>(code_at(w, wp, r, c)) * d + m) * x[b * BLOCK + c];
   }
@@ -724,8 +753,9 @@ float exact_row(const QMat& w, int n, const float* x) {
 
 // Rows ids[0 .. M) of a 4- or 8-bit W decoded to floats into x [M, cols]: code * d + (m - zero * d),
 // as weights/packed.py's PackedEmbedding decodes them (the input embedding of a model whose packed
-// head is its embedding table). With d in bf16 / fp16 the product code * d is exact in float32, so
-// the one rounding is the sum's, contracted into an FMA or not; the caller refuses float32 d.
+// head is its embedding table). With d in bf16 / fp16 (or S_U8: a 6-bit integer times a float16) the
+// product code * d is exact in float32, so the one rounding is the sum's, contracted into an FMA or
+// not; the caller refuses float32 d.
 void decode_rows_of(const QMat& w, const int64_t* ids, int M, float* x) {
   const int blocks = w.cols / BLOCK;
   const size_t block_bytes = w.bits == 4 ? 256 : 512;
@@ -735,10 +765,9 @@ void decode_rows_of(const QMat& w, const int64_t* ids, int M, float* x) {
     const int r = static_cast<int>(n % TILE);
     float* out = x + static_cast<size_t>(i) * w.cols;
     for (int b = 0; b < blocks; ++b) {
-      const size_t tb = static_cast<size_t>(t) * blocks + b;
-      const uint8_t* wp = w.codes + tb * block_bytes;
-      const float d = scale_at(w.d, w.d_type, tb * TILE + r);
-      const float m = scale_at(w.m, w.m_type, tb * TILE + r) - w.zero * d;
+      const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
+      const float d = d_at(w, t, b, r);
+      const float m = m_at(w, t, b, r) - w.zero * d;
       for (int c = 0; c < BLOCK; ++c) out[b * BLOCK + c] = static_cast<float>(code_at(w, wp, r, c)) * d + m;
     }
   }
@@ -2104,6 +2133,8 @@ struct MatArgs {             // one matrix (QMat); rows 0: absent (stacked into 
   const void* d;
   const void* m;
   const float* bias;
+  const uint16_t* d2;        // S_U8 d / m: their float16 super-block scales (see QMat), else null
+  const uint16_t* m2;
   int32_t rows, cols, bits, d_type, m_type, zero;   // zero: see QMat
 };
 
@@ -2131,7 +2162,7 @@ struct ModelArgs {
 };
 
 QMat qmat(const MatArgs& a) {
-  return QMat{static_cast<const uint8_t*>(a.codes), a.d, a.m, a.bias, a.rows, a.cols, a.bits, a.d_type, a.m_type,
+  return QMat{static_cast<const uint8_t*>(a.codes), a.d, a.m, a.bias, a.d2, a.m2, a.rows, a.cols, a.bits, a.d_type, a.m_type,
               static_cast<float>(a.zero)};
 }
 
@@ -2139,7 +2170,7 @@ QMat qmat(const MatArgs& a) {
 
 extern "C" {
 
-int kvb_abi_version() { return 14; }
+int kvb_abi_version() { return 15; }
 
 // the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
 const char* kvb_isa() { return ISA_NAME; }

@@ -44,7 +44,7 @@ from . import abi, build
 from .matrices import ABSENT, embeds_from_head, float_matrix, joined, packed, weights_kind
 
 TILE, BLOCK = 16, 32
-STATIC_ROPE = ("default", "linear", "llama3")        # inv_freq does not depend on the sequence length
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")    # inv_freq does not depend on the sequence length
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
 PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
 

@@ -60,11 +60,12 @@ ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it
 
 
 def packed(module: PackedLinear) -> dict:
-    """A PackedLinear as it is: its own codes, d, m and bias (already the kernel's tiles; no copy); m
+    """A PackedLinear as it is: its own codes, d, m (d2, m2), bias (already the kernel's tiles; no copy); m
     is not read where it is -zero_code * d (Q4_0, Q5_0, Q8_0, re-quantized), and is the value of
     code m_code where the module has one (weights="int4": the step computes m - m_code * d)."""
     zero = getattr(module, "zero_code", None)           # m == -zero * d: the step derives it
     return {"codes": module.codes, "d": module.d, "m": None if zero else module.m, "bias": module.bias,
+            "d2": getattr(module, "d2", None), "m2": getattr(module, "m2", None),
             "zero": zero or getattr(module, "m_code", 0), "dims": (module.out_features, module.in_features, module.bits)}
 
 
@@ -76,8 +77,9 @@ def float_matrix(module: torch.nn.Linear) -> dict:
 
 def embeds_from_head(adapter: ModelAdapter, kind: str) -> bool:
     """Whether the native side can look up the input embeddings: a packed model whose embedding is
-    its head's table as it is (no scale, float32 out), with bf16 / fp16 scales (kvb_decoder_embed)."""
+    its head's table as it is (no scale, float32 out), with bf16 / fp16 scales or a K-quant's two
+    levels (code * d exact in float32 either way; kvb_decoder_embed)."""
     embed, head = adapter.embed, adapter.lm_head
     return (kind == "packed" and isinstance(embed, PackedEmbedding) and embed.table is head
             and embed.embed_scale is None and embed.out_dtype == torch.float32
-            and head.d.dtype in (torch.bfloat16, torch.float16))
+            and head.d.dtype in (torch.bfloat16, torch.float16, torch.uint8))

@@ -59,6 +59,10 @@ class QuantBlocks:
     mins: torch.Tensor | None   # Q4_1: added; Q4_K, Q5_K: subtracted (see `dequantize`); else None
     zero_code: int              # Q4_0: 8, Q6_K: 32, else 0
     group: int                  # values sharing one scale: 32 (Q6_K: 16)
+    # Q4_K, Q5_K: the factors of scales and mins as stored, (sc, d, mn, dmin): 6-bit sub-block
+    # scales and minimums uint8 [rows, groups], their super-block's d and dmin float32 [rows, groups / 8];
+    # scales = d * sc and mins = dmin * mn per group (exact products). Else None.
+    factors: tuple | None = None
 
 
 def _fp16(raw: np.ndarray, start: int) -> torch.Tensor:
@@ -119,7 +123,8 @@ def _q45k_blocks(tensor: GGUFTensor) -> QuantBlocks:
         codes = codes | torch.stack([((qh >> j) & 1) << 4 for j in range(8)], dim=-2)
     scales = (d * sc.float()).flatten(1)                                    # [R, B * 8]
     mins = (dmin * mn.float()).flatten(1)
-    return QuantBlocks(codes.reshape(tensor.shape), scales, mins, 0, QK)
+    factors = (sc.flatten(1), d[..., 0], mn.flatten(1), dmin[..., 0])
+    return QuantBlocks(codes.reshape(tensor.shape), scales, mins, 0, QK, factors)
 
 
 def _q6k_blocks(tensor: GGUFTensor) -> QuantBlocks:

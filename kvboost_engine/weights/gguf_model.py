@@ -41,7 +41,7 @@ from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
-PACK_VERSION = "gguf-pack-2"   # 2: the config gets what transformers' reader drops (gguf_config; 1 lacked it)
+PACK_VERSION = "gguf-pack-3"   # 3: K-quants keep two-level scales (2: the config gets what transformers' reader drops)
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")   # the native step runs them as stored (decoder.py)
 FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
@@ -97,7 +97,22 @@ def packed_gguf_dir(gguf_path: Path) -> Path:
         with build_lock(target):
             if not is_packed_dir(target):
                 _build(gguf_path, target)
+                _drop_superseded(target, gguf_path)
     return target
+
+
+def _drop_superseded(target: Path, gguf_path: Path) -> None:
+    """Delete the other packed dirs of the same file (packed by an earlier PACK_VERSION, or before the
+    file changed): nothing loads them again, and each is about the file's size. A process still
+    mapping one keeps its pages until it exits (a deleted file stays readable while mapped)."""
+    source = gguf_path.resolve()
+    for other in target.parent.glob(f"{gguf_path.stem}-*"):
+        try:
+            if other != target and is_packed_dir(other) and Path((other / COMPLETE).read_text()).resolve() == source:
+                shutil.rmtree(other, ignore_errors=True)
+                log.info("removed %s, a superseded pack of %s", other, gguf_path)
+        except OSError:                                 # another process removed it first
+            continue
 
 
 def skeleton(config) -> nn.Module:
@@ -208,8 +223,9 @@ def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, con
             tensor = file.tensors[key]
             if param.dim() == 2:
                 packed = repack(tensor, _row_order(arch, hf_name, config, tensor.shape[0]))
-                for part in ("codes", "d", "m"):
-                    writer.add(f"{hf_name}.{part}", getattr(packed, part))
+                for part in ("codes", "d", "m", "d2", "m2"):
+                    if getattr(packed, part) is not None:
+                        writer.add(f"{hf_name}.{part}", getattr(packed, part))
                 matrices[hf_name] = {"bits": packed.bits, "rows": packed.rows, "cols": packed.cols,
                                      "type": tensor.type_name, "max_error": packed.max_error}
                 if packed.max_error:
@@ -241,7 +257,7 @@ def load_packed_model(target: Path, config) -> nn.Module:
         bias = tensors.get(f"{name}.bias")
         linear = PackedLinear(tensors[f"{name}.codes"], tensors[f"{name}.d"], tensors[f"{name}.m"], spec["bits"],
                               spec["rows"], spec["cols"], bias, spec.get("zero_code", zero_code(spec.get("type", ""))),
-                              spec.get("m_code", 0))
+                              spec.get("m_code", 0), tensors.get(f"{name}.d2"), tensors.get(f"{name}.m2"))
         if name == EMBEDDING:
             scale = getattr(old, "embed_scale", None)
             model.model.embed_tokens = PackedEmbedding(linear, torch.float32, padding_idx, scale)

@@ -3,8 +3,9 @@
 Exact (the packed weight decodes to the `gguf` package's dequantization bit for bit):
 - Q4_0, Q4_1 -> 4-bit codes, d and m in float16 (Q4_0: m = -8 d; Q4_1: the file's m)
 - Q5_0, Q5_1, Q8_0 -> 8-bit codes 0..31 / 0..255, d and m in float16 (m = -16 d, the file's m, -128 d)
-- Q4_K -> 4-bit codes, Q5_K -> 8-bit codes, with d * sub-block scale and -(dmin * sub-block min)
-  in float32 (an fp16 times a 6-bit integer is exact in float32, not in float16)
+- Q4_K -> 4-bit codes, Q5_K -> 8-bit codes, with the two levels of scales kept: the 6-bit sub-block
+  scale and minimum as uint8 d and m, the super-block's d and -dmin in float16 as d2 and m2 (each
+  product, an fp16 times a 6-bit integer, is exact in float32: the file's d * sc and -(dmin * mn))
 Each product and sum is exact in float32 (codes of at most 8 bits times an 11-bit mantissa), so
 code * d + m rounds to the same float as the reference's expression. A float16 m that would not
 hold -8 d exactly (overflow) is kept in float32.
@@ -25,7 +26,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .gguf_blocks import GGUFTensor, blocks, dequantize
-from .packed import BLOCK, TILE, pack_codes
+from .packed import BLOCK, TILE, pack_codes, tile_scales
 
 _HALF = {"Q4_0": (4, 8), "Q4_1": (4, None), "Q5_0": (8, 16), "Q5_1": (8, None), "Q8_0": (8, 128)}
 _K = {"Q4_K": 4, "Q5_K": 8}
@@ -51,6 +52,8 @@ class Repacked:
     rows: int
     cols: int
     max_error: float            # largest |packed - file| over the matrix (0.0: exact)
+    d2: torch.Tensor | None = None      # K-quants: float16 super-block scales of uint8 d and m
+    m2: torch.Tensor | None = None
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -63,8 +66,8 @@ def _half_exact(values: torch.Tensor) -> bool:
     return torch.equal(values.half().float(), values)
 
 
-def _scale_dtypes(d: torch.Tensor, m: torch.Tensor, half: bool) -> tuple[torch.dtype, torch.dtype]:
-    if half and _half_exact(d):
+def _scale_dtypes(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    if _half_exact(d):
         return torch.float16, torch.float16 if _half_exact(m) else torch.float32
     return torch.float32, torch.float32
 
@@ -88,17 +91,16 @@ def repack(tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> Repacke
     n, k = tensor.shape
     kind = tensor.type_name
     error = 0.0
-    if kind in _HALF or kind in _K:
+    if kind in _K:
+        return _two_level(tensor, _K[kind], row_order)
+    if kind in _HALF:
         q = blocks(tensor)
         codes, d = q.codes, q.scales
-        if kind in _HALF:
-            bits, zero = _HALF[kind]
-            if kind == "Q8_0":
-                codes = (codes.to(torch.int16) + 128).to(torch.uint8)
-            m = q.mins if zero is None else -zero * d
-        else:
-            bits, m = _K[kind], -q.mins
-        d_dtype, m_dtype = _scale_dtypes(d, m, kind in _HALF)
+        bits, zero = _HALF[kind]
+        if kind == "Q8_0":
+            codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+        m = q.mins if zero is None else -zero * d
+        d_dtype, m_dtype = _scale_dtypes(d, m)
     elif kind in REQUANTIZED:
         values = dequantize(tensor).float()
         codes, d, m, error = _requantized(values)
@@ -110,3 +112,17 @@ def repack(tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> Repacke
         codes, d, m = codes[row_order], d[row_order], m[row_order]
     packed = pack_codes(codes.reshape(n, k).to(torch.uint8), d, m, bits, d_dtype, m_dtype)
     return Repacked(packed["codes"], packed["d"], packed["m"], bits, n, k, error)
+
+
+def _two_level(tensor: GGUFTensor, bits: int, row_order: torch.Tensor | None) -> Repacked:
+    """A K-quant with its scales as stored: uint8 sub-block scales and minimums, float16 super-block
+    d and -dmin (module docstring; the fp16 values came from fp16, so the cast is exact)."""
+    n, k = tensor.shape
+    q = blocks(tensor)
+    sc, d, mn, dmin = q.factors
+    codes = q.codes.reshape(n, k)
+    if row_order is not None:
+        codes, sc, d, mn, dmin = (t[row_order] for t in (codes, sc, d, mn, dmin))
+    packed = pack_codes(codes.to(torch.uint8), sc, mn, bits, torch.uint8, torch.uint8)
+    return Repacked(packed["codes"], packed["d"], packed["m"], bits, n, k, 0.0,
+                    tile_scales(d, torch.float16), tile_scales(-dmin, torch.float16))

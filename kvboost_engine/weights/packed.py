@@ -7,8 +7,11 @@ columns, a scale `d` and an offset `m`: w[n, k] = code * d + m, or, for a matrix
 computed in float32 with one rounding (m_code * d is exact: a power of two). Tiles of 16 rows x 32
 columns (`pack_codes`): what native/decode.cpp reads with vpdpbusd, so the native step reads these
 very tensors, with no copy. `d` and `m` keep the file's own precision: float16 for Q4_0 / Q4_1 /
-Q8_0 (GGUF stores fp16; Q4_0's m = -8 d and Q8_0's m = -128 d are exact in fp16 too), float32 for
-the K-quants (d * sub-block scale: an fp16 times a 6-bit integer, exact in fp32 only).
+Q8_0 (GGUF stores fp16; Q4_0's m = -8 d and Q8_0's m = -128 d are exact in fp16 too). The K-quants
+keep their two levels: d and m are the 6-bit sub-block scale and minimum (uint8), `d2` and `m2` the
+float16 super-block scale and minus the super-block minimum, one per 8 blocks; d * d2 and m * m2,
+exact in float32, are the file's d * sc and -(dmin * mn) (4.6 bits a weight read, not 6 as float32
+products).
 
 The PyTorch path (prefill until the native kernel family takes it, CPUs without the native step)
 dequantizes a layer's weight per forward (`dequantized`): a transient float copy of one matrix,
@@ -22,6 +25,7 @@ from torch import nn
 
 TILE, BLOCK = 16, 32                # rows per tile, columns per block (one d and one m per row and block)
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPER = 8                       # blocks per super-block scale (uint8 d and m: K-quants)
 FORWARD_SLICE = 1 << 23         # weight values decoded to float at once by the PyTorch path (32 MB)
 
 
@@ -39,11 +43,14 @@ def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
         packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()
     else:
         packed = codes.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-    d = scale.to(scale_dtype).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
-    if offset is None:
-        return {"codes": packed.view(-1), "d": d.view(-1), "m": None}
-    m = offset.to(offset_dtype).view(tiles, TILE, blocks).permute(0, 2, 1).contiguous()
-    return {"codes": packed.view(-1), "d": d.view(-1), "m": m.view(-1)}
+    m = None if offset is None else tile_scales(offset, offset_dtype)
+    return {"codes": packed.view(-1), "d": tile_scales(scale, scale_dtype), "m": m}
+
+
+def tile_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row scales [N, G] (one per block, or per super-block) -> the kernel's order, flat [tiles, G, 16]."""
+    n, groups = values.shape
+    return values.to(dtype).view(n // TILE, TILE, groups).permute(0, 2, 1).contiguous().view(-1)
 
 
 def unpack_codes(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
@@ -56,21 +63,19 @@ def unpack_codes(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tenso
     return packed.view(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
-def unpack_scales(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """d or m back to [N, K/32] float32."""
-    return flat.view(n // TILE, k // BLOCK, TILE).permute(0, 2, 1).reshape(n, k // BLOCK).float()
-
-
 class PackedLinear(nn.Module):
     """nn.Linear over a packed weight (module docstring): buffers codes, d, m (and bias)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
                  out_features: int, in_features: int, bias: torch.Tensor | None = None,
-                 zero_code: int | None = None, m_code: int = 0):
+                 zero_code: int | None = None, m_code: int = 0,
+                 d2: torch.Tensor | None = None, m2: torch.Tensor | None = None):
         """zero_code: where m == -zero_code * d exactly (Q4_0: 8, Q5_0: 16, Q8_0 and re-quantized
         matrices: 128; a power of two), the native step derives m from d and never reads it.
         m_code: m is the value of this code (a power of two; 0: of code 0), so m may be stored in
-        bf16 (weights="int4": the quantizer's own bf16 zero, half the bytes of a float32 offset)."""
+        bf16 (weights="int4": the quantizer's own bf16 zero, half the bytes of a float32 offset).
+        d2, m2: with uint8 d and m (K-quants), their float16 super-block scales [tiles, blocks / 8,
+        16] (module docstring)."""
         super().__init__()
         for name, code in (("zero_code", zero_code), ("m_code", m_code or None)):
             if code is not None and (code <= 0 or code & (code - 1)):
@@ -80,8 +85,15 @@ class PackedLinear(nn.Module):
         if bits not in (4, 8) or out_features % TILE or in_features % BLOCK:
             raise ValueError(f"a packed weight is 4- or 8-bit with rows a multiple of {TILE} and columns of "
                              f"{BLOCK}; got {bits} bits, [{out_features}, {in_features}]")
-        if d.dtype not in SCALE_DTYPES or m.dtype not in SCALE_DTYPES:
-            raise ValueError(f"scales d {d.dtype} / m {m.dtype}: each is bf16, fp16 or fp32")
+        two_level = d.dtype == torch.uint8
+        if two_level:
+            if m.dtype != torch.uint8 or d2 is None or m2 is None or d2.dtype != torch.float16 \
+                    or m2.dtype != torch.float16 or in_features % (BLOCK * SUPER) or zero_code or m_code:
+                raise ValueError("uint8 d goes with uint8 m, float16 d2 and m2 and columns in whole super-blocks "
+                                 f"of {BLOCK * SUPER} (got m {m.dtype}, d2 {None if d2 is None else d2.dtype}, "
+                                 f"m2 {None if m2 is None else m2.dtype}, {in_features} columns)")
+        elif d.dtype not in SCALE_DTYPES or m.dtype not in SCALE_DTYPES or d2 is not None or m2 is not None:
+            raise ValueError(f"scales d {d.dtype} / m {m.dtype}: each is bf16, fp16 or fp32 (or uint8 with d2 and m2)")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.exact_top = 0              # the native head recomputes its best rows in float (as _FormatLinear)
         self.zero_code = zero_code
@@ -89,7 +101,25 @@ class PackedLinear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
+        self.register_buffer("d2", d2)
+        self.register_buffer("m2", m2)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def scales(self, tiles, row=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 d and m of `tiles` (an index or slice of tiles): [.., blocks, 16]; or of row `row` of
+        each (an index, as `tiles`): [.., blocks]. Two-level scales multiplied out (exact products)."""
+        blocks = self.in_features // BLOCK
+
+        def pick(flat: torch.Tensor, groups: int) -> torch.Tensor:
+            view = flat.view(-1, groups, TILE)
+            return (view[tiles] if row is None else view[tiles, :, row]).float()
+
+        d, m = pick(self.d, blocks), pick(self.m, blocks)
+        if self.d2 is not None:
+            dim = -2 if row is None else -1
+            d = d * pick(self.d2, blocks // SUPER).repeat_interleave(SUPER, dim=dim)
+            m = m * pick(self.m2, blocks // SUPER).repeat_interleave(SUPER, dim=dim)
+        return d, m
 
     def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d +
@@ -98,8 +128,7 @@ class PackedLinear(nn.Module):
         tiles = self.out_features // TILE
         n, t0, t1 = end - first, first // TILE, end // TILE
         codes = unpack_codes(self.codes.view(tiles, -1)[t0:t1].reshape(-1), n, k, self.bits).view(n, k // BLOCK, BLOCK)
-        d = unpack_scales(self.d.view(tiles, -1)[t0:t1].reshape(-1), n, k)[..., None]
-        m = unpack_scales(self.m.view(tiles, -1)[t0:t1].reshape(-1), n, k)[..., None]
+        d, m = (s.permute(0, 2, 1).reshape(n, k // BLOCK, 1) for s in self.scales(slice(t0, t1)))
         return torch.addcmul(self.offset_of(m, d), codes.float(), d).view(n, k)
 
     def offset_of(self, m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -160,8 +189,7 @@ class PackedEmbedding(nn.Module):
             c = torch.stack([c & 15, c >> 4], dim=3).reshape(len(flat), k)
         else:
             c = codes.view(-1, blocks, 8, TILE, 4)[torch.arange(len(flat)), :, :, row].reshape(len(flat), k)
-        d = t.d.view(-1, blocks, TILE)[tiles, :, row].float()                       # [R, B]
-        m = t.m.view(-1, blocks, TILE)[tiles, :, row].float()
+        d, m = t.scales(tiles, row)                                                 # [R, B]
         values = torch.addcmul(t.offset_of(m, d)[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
         values = values.view(*ids.shape, k).to(self.out_dtype)
         return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
@@ -185,8 +213,7 @@ class PackedEmbedding(nn.Module):
             c = torch.stack([c & 15, c >> 4], dim=2).reshape(blocks, BLOCK)
         else:
             c = codes.view(blocks, 8, TILE, 4)[:, :, row].reshape(blocks, BLOCK)
-        d = t.d.view(-1, blocks, TILE)[tile, :, row].float()                        # [B]
-        m = t.m.view(-1, blocks, TILE)[tile, :, row].float()
+        d, m = t.scales(tile, row)                                                  # [B]
         values = torch.addcmul(t.offset_of(m, d)[:, None], c.float(), d[:, None]).view(k).to(self.out_dtype)
         return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
 
