@@ -87,6 +87,10 @@ def test_variant_k_quant_two_level_scales_are_exact(isa):
     test_native_packed.test_k_quant_two_level_scales_give_the_numbers_of_their_float32_products()
 
 
+def test_variant_six_bit_codes_track_the_pytorch_path(isa):
+    test_native_packed.test_six_bit_codes_decode_natively_like_the_pytorch_path(_paged)
+
+
 def test_variant_numbers_do_not_depend_on_threads(isa, tmp_path):
     test_native_decode.test_a_step_gives_the_same_numbers_on_any_number_of_threads(tmp_path, "int4")
 
@@ -105,6 +109,33 @@ def test_extreme_8bit_codes_are_exact(variant, monkeypatch):
             extreme = torch.rand(module.codes.shape, generator=pick) < 0.85
             module.codes.copy_(torch.where(extreme, 255, 0).to(torch.uint8))
     pairs, decoder = test_native_packed._decode_both(model, _contiguous, steps=6)
+    assert decoder.isa == variant
+    for n, (want, got) in enumerate(pairs):
+        error = ((got - want).norm() / want.norm()).item()
+        assert error < 0.015, (variant, n, error)
+
+
+@pytest.mark.parametrize("variant", list(build.ISAS))
+def test_extreme_6bit_codes_are_exact(variant, monkeypatch):
+    """6-bit codes mostly 63 (and 0): AVX2 adds two chunks' maddubs pairs in int16, 4 products of at
+    most 63 x 128 (32,256 < 32,768); the step must still track the PyTorch path."""
+    from tiny_models import tiny_model
+    if _CANNOT is not None or build.compiler() is None or build.isa_reason(variant) is not None:
+        pytest.skip(_CANNOT or build.isa_reason(variant) or "no C++ compiler")
+    monkeypatch.setenv(build.ENV, variant)
+    model = tiny_model("llama", seed=3, hidden_size=256, intermediate_size=512)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, test_native_packed.six_bit_linear(child))
+    model.lm_head = test_native_packed.six_bit_linear(model.lm_head)
+    pick = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        if getattr(module, "bits", None) == 6:
+            extreme = torch.rand(module.codes.shape, generator=pick) < 0.9
+            module.codes.copy_(torch.where(extreme, 255, 0).to(torch.uint8))   # low nibbles 15, high bits 3
+    pairs, decoder = test_native_packed._decode_both(model, _contiguous, steps=4)
     assert decoder.isa == variant
     for n, (want, got) in enumerate(pairs):
         error = ((got - want).norm() / want.norm()).item()

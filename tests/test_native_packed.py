@@ -289,3 +289,57 @@ def test_k_quant_two_level_scales_give_the_numbers_of_their_float32_products():
     with pytest.raises(ValueError, match="super-blocks"):
         a = two.lm_head
         PackedLinear(a.codes, a.d, a.m.half(), a.bits, a.out_features, a.in_features, d2=a.d2, m2=a.m2)
+
+
+def six_bit_linear(linear: nn.Linear) -> PackedLinear:
+    """`linear` quantized as Q6_K stores it: 6-bit codes, an int8 scale per 16 columns, a float16 d per
+    256 (w = (code - 32) * d * sc)."""
+    from kvboost_engine.weights.packed import tile_scales
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    groups = w.view(n, k // 16, 16)
+    scale = groups.abs().amax(-1) / 31                                             # [N, G]
+    d = (scale.view(n, -1, 16).amax(-1) / 127).clamp_min(1e-5).half().float()    # [N, K / 256]
+    sc = (scale / d.repeat_interleave(16, 1)).round().clamp(-128, 127)
+    sc = torch.where(torch.arange(sc.shape[1]) % 3 == 0, -sc, sc)                # negative scales too
+    step = (d.repeat_interleave(16, 1) * sc)[..., None]
+    codes = (groups / torch.where(step == 0, 1, step)).round().clamp(-32, 31) + 32
+    packed = pack_codes(codes.to(torch.uint8).view(n, k), sc, None, 6, torch.int8)
+    return PackedLinear(packed["codes"], packed["d"], None, 6, n, k, linear.bias, zero_code=32,
+                        d2=tile_scales(d, F16))
+
+
+@needs_cpu
+@pytest.mark.parametrize("kv_factory", [_contiguous, _paged], ids=["contiguous", "paged"])
+def test_six_bit_codes_decode_natively_like_the_pytorch_path(kv_factory):
+    """6-bit codes (GGUF Q6_K: a scale per 16 columns, the step subtracting code 32's share in integers)
+    beside 4- and 8-bit two-level K-quants: the step tracks the PyTorch path; a batched step gives
+    each row's numbers bit for bit; the tied embedding decodes natively to PackedEmbedding's numbers."""
+    from kvboost_engine.weights.packed import PackedEmbedding, unpack_codes
+    from test_native_rows import assert_rows_match_steps
+    model = tiny_model("qwen2", seed=11, hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    for i, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for n, (name, child) in enumerate(list(parent.named_children())):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, six_bit_linear(child) if (i + n) % 2 == 0 else k_quant_linear(child, 4))
+    head = six_bit_linear(model.lm_head)
+    codes = unpack_codes(head.codes, head.out_features, head.in_features, 6)
+    assert int(codes.min()) == 0 and int(codes.max()) == 63                     # every high bit exercised
+    model.lm_head = head
+    model.model.embed_tokens = PackedEmbedding(head)
+    pairs, decoder = _decode_both(model, kv_factory)
+    for want, got in pairs:
+        assert ((got - want).norm() / want.norm()).item() < 0.015
+    assert decoder._embed_native
+    ids = [0, 1, 15, 16, 17, head.out_features - 1]
+    with torch.inference_mode():
+        assert torch.equal(decoder._embed(ids), model.model.embed_tokens(torch.tensor([ids]))[0])
+        adapter = ModelAdapter(model)
+        lengths = [9, 4, 12]
+        serial, batch = ([kv_factory(adapter) for _ in lengths] for _ in range(2))
+        for kvs in (serial, batch):
+            for kv, n in zip(kvs, lengths):
+                decoder.prefill(kv, PROMPT[:n], 0)
+        assert_rows_match_steps(decoder, serial, batch, lengths)
+    decoder.close()

@@ -9,7 +9,8 @@ import torch
 
 P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 SCALE_TYPES = {torch.bfloat16: 0, torch.int16: 0, torch.float16: 1, torch.float32: 2,   # decode.cpp ScaleType
-               torch.uint8: 4}                    # S_U8: times a float16 super-block scale (d2 / m2)
+               torch.uint8: 4,                    # S_U8: times a float16 super-block scale (d2 / m2)
+               torch.int8: 5}                     # S_I8: 6-bit codes' scale per 16 columns, times d2
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}   # decode.cpp KvType
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}                        # decode.cpp Act: the MLP's activation
 NO_M = 3                                                         # ScaleType S_NONE: m not stored
@@ -20,8 +21,8 @@ class MatArgs(ctypes.Structure):
     """One weight matrix: codes (4- or 8-bit tiles, or float32 rows when bits is 32), per-row-block
     scale d and offset m (d_type / m_type: ScaleType), bias or null. A weight is (code - zero) * d
     + m, m null: 0 (zero a power of two then). rows 0: absent (stacked into the matrix before it).
-    d2 / m2: where d / m are uint8 (a K-quant's sub-block scales), their float16 super-block scales,
-    one per 8 blocks, else null."""
+    d2 / m2: where d / m are uint8 (a K-quant's sub-block scales), or d int8 (6-bit codes, Q6_K: a
+    scale per 16 columns), their float16 super-block scales, one per 8 blocks, else null."""
     _fields_ = [("codes", P), ("d", P), ("m", P), ("bias", P), ("d2", P), ("m2", P),
                 ("rows", I32), ("cols", I32), ("bits", I32), ("d_type", I32), ("m_type", I32), ("zero", I32)]
 
@@ -62,10 +63,13 @@ def mat_args(mat: dict, hold) -> MatArgs:
     m_type = SCALE_TYPES[mat["m"].dtype] if mat.get("m") is not None else NO_M
     zero = int(mat.get("zero") or 0)
     for scale, whole in (("d", "d2"), ("m", "m2")):
-        if (mat.get(scale) is not None and mat[scale].dtype == torch.uint8) != (mat.get(whole) is not None):
-            raise ValueError(f"uint8 {scale} goes with its float16 super-block scales {whole}, and only it")
+        two_level = mat.get(scale) is not None and mat[scale].dtype in (torch.uint8, torch.int8)
+        if two_level != (mat.get(whole) is not None):
+            raise ValueError(f"uint8 / int8 {scale} goes with its float16 super-block scales {whole}, and only it")
+    if (d_type == 5) != (mat["dims"][2] == 6) or (d_type == 5 and (m_type != NO_M or zero != 32)):
+        raise ValueError("6-bit codes take int8 d (a scale per 16 columns), no m and zero code 32")
     if (d_type == 4) != (m_type == 4) or (d_type == 4 and mat["dims"][1] % (8 * 32)):
         raise ValueError("uint8 d and uint8 m go together, over columns in whole super-blocks of 256")
-    if mat["dims"][2] in (4, 8) and mat.get("m") is None and (zero <= 0 or zero & (zero - 1)):
+    if mat["dims"][2] in (4, 6, 8) and mat.get("m") is None and (zero <= 0 or zero & (zero - 1)):
         raise ValueError(f"a matrix without m needs a zero code that is a power of two (got {zero})")
     return MatArgs(*ptrs, *mat["dims"], d_type, m_type, zero)

@@ -6,6 +6,7 @@
 // any row attends, each up to its own position). Every matrix product reads 4- or 8-bit weight
 // codes once for all rows and multiplies them with each row's activation quantized to int8 per
 // block of 32 (integer dot products), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
+// (6-bit codes, GGUF Q6_K: a scale per 16 columns, y[n] += d[n,g] * dx[b] * sum over g of (code - 32) * xq),
 // where a weight decodes to code * d + m (d bf16 / fp16 / fp32). m is stored (bf16 / fp16 / fp32) or
 // derived from d: m = stored - zero * d, or -zero * d with nothing stored (Q4_0's m = -8 d): a
 // matrix then reads 4 or 8 bits per weight and its d only (a tenth fewer bytes). Float32 weights
@@ -48,16 +49,20 @@ constexpr size_t PREFETCH = 8192;   // bytes of weight codes asked for ahead of 
                                     // 2 KB into L1 before: the L2 hint 8 KB on made a Zen 4 1-row int4
                                     // step 10-13 % faster, the 1.7B AVX2 step 27 %, in paired probes)
 
-enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3, S_U8 = 4 };   // element type of a matrix's d and m
+enum ScaleType { S_BF16 = 0, S_F16 = 1, S_F32 = 2, S_NONE = 3, S_U8 = 4, S_I8 = 5 };   // element type of a matrix's d and m
     // (S_NONE: m not stored; S_U8: a K-quant's 6-bit sub-block scale or minimum as uint8, times its
     // float16 super-block scale in d2 / m2, one per 8 blocks: the product, exact in float32, is the
-    // d or m a float32 scale would hold, read in 4.6 bits a weight instead of 6)
+    // d or m a float32 scale would hold, read in 4.6 bits a weight instead of 6; S_I8: 6-bit codes' d,
+    // Q6_K's int8 scale per 16 columns [tiles][blocks][2][16] times its float16 super-block scale in d2)
 enum KvType { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };   // element type of the KV (kv_dtype)
 constexpr int KV_I8_BLOCK = 32;   // values per float16 scale of an int8 KV row (kv/element.py)
 constexpr int MAX_I8_HEAD_DIM = 1024;   // the widest head scored against int8 queries (i8_scores' scratch; wider: float queries)
 
 struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks of 32 columns
-  const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 32: float rows [rows, cols]
+  const uint8_t* codes;      // 4-bit: 256 bytes per (tile, block); 8-bit: 512; 6-bit: 384 (the low 4 bits as
+                             // 4-bit codes, then two 64-byte planes of the high 2 bits: plane p, byte
+                             // r * 4 + c holds column 4k + c of row r at bits 2s, 2s + 1 for k = 4p + s);
+                             // 32: float rows [rows, cols]
   const void* d;             // d_type [tiles][blocks][16]: code scale
   const void* m;             // m_type [tiles][blocks][16] or null: with `zero`, the value of code 0 is m - zero * d
   const float* bias;         // [rows] or null
@@ -107,7 +112,8 @@ struct Layer {
 //                                     (HALVES = TILE / VW per tile), with the 32 int8 activations of
 //                                     each of R rows (xb[r]: 8 int32 words, 4 int8 each): lane i =
 //                                     row half * VW + i of sum(code * x); vcvt(vi) -> vf
-//   quantize(x, cols, xq, dx, sx)     int8 per block of 32 (the same numbers on every ISA)
+//   dot_block6<R>(wp, half, xb, sa, sb)  6-bit codes: dot_block's sums over columns 0-15 (sa) and 16-31 (sb)
+//   quantize(x, cols, xq, dx, sx, hs) int8 per block of 32 (the same numbers on every ISA)
 //   I8_PARTS i8_keys i8_query i8_dot  int8 keys times int8 query codes, exact (i8_scores)
 //   vi_set1 vload_dw vf_bits          int32 lanes; n dwords into a vector's bits; a float vector's bits
 //   gather_dw(rows, off) f16_lo/hi    lane j: the dword at byte off of rows[j]; its float16 halves as floats
@@ -227,8 +233,45 @@ inline void dot_block(const uint8_t* wp, int /*half*/, const int32_t* const* xb,
     for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], v[j], _mm512_set1_epi32(xb[r][j]));
 }
 
-// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes) (sx: or null).
-void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
+// The 6-bit codes of one (tile, block) (QMat: the low 4 bits as 4-bit codes, then the 2 high bits'
+// planes) as 8 chunks of 4 columns, as dot_block's 8-bit ones
+inline void six_bit_chunks(const uint8_t* wp, __m512i* v) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    __m512i raw = _mm512_loadu_si512(wp + j * 64);
+    v[2 * j] = _mm512_and_si512(raw, nibble);
+    v[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+  }
+  for (int k = 0; k < 8; ++k) {             // chunk k's high bits: plane k / 4, bits 2 (k % 4) -> bits 4, 5
+    const int s = k % 4;
+    __m512i hi = _mm512_and_si512(_mm512_loadu_si512(wp + 256 + (k / 4) * 64), _mm512_set1_epi8(static_cast<char>(3 << (2 * s))));
+    if (s == 0) hi = _mm512_slli_epi16(hi, 4);        // (masked first: no bit crosses into the next byte)
+    else if (s == 1) hi = _mm512_slli_epi16(hi, 2);
+    else if (s == 3) hi = _mm512_srli_epi16(hi, 2);
+    v[k] = _mm512_or_si512(v[k], hi);
+  }
+}
+
+// sa[r], sb[r] = za[r] + sum(code * x) over columns 0-15, zb[r] + the sum over 16-31, of one (tile,
+// block) of 6-bit codes (a scale per 16 columns): as dot_block
+template <int R>
+inline void dot_block6(const uint8_t* wp, int /*half*/, const int32_t* const* xb, const int32_t* za,
+                       const int32_t* zb, vi* sa, vi* sb) {
+  __m512i v[8];
+  six_bit_chunks(wp, v);
+  for (int r = 0; r < R; ++r) {
+    sa[r] = _mm512_set1_epi32(za[r]);
+    sb[r] = _mm512_set1_epi32(zb[r]);
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < R; ++r) sa[r] = _mm512_dpbusd_epi32(sa[r], v[j], _mm512_set1_epi32(xb[r][j]));
+  for (int j = 4; j < 8; ++j)
+    for (int r = 0; r < R; ++r) sb[r] = _mm512_dpbusd_epi32(sb[r], v[j], _mm512_set1_epi32(xb[r][j]));
+}
+
+// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes)
+// (sx: or null), the sums of codes of each half block (hs [2 blocks]: or null).
+void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx, int32_t* hs) {
   for (int b = 0; b < cols / BLOCK; ++b) {
     __m512 a0 = _mm512_loadu_ps(x + b * BLOCK), a1 = _mm512_loadu_ps(x + b * BLOCK + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
@@ -239,6 +282,10 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
     dx[b] = amax / 127.f;
     if (sx) sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    if (hs) {
+      hs[2 * b] = _mm512_reduce_add_epi32(q0);
+      hs[2 * b + 1] = _mm512_reduce_add_epi32(q1);
+    }
   }
 }
 
@@ -417,8 +464,59 @@ inline void dot_block(const uint8_t* wp, int half, const int32_t* const* xb, vi*
 #endif
 }
 
-// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes) (sx: or null).
-void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
+// The 6-bit codes of rows half * 8 .. + 8 of one (tile, block) as 8 chunks of 4 columns (see the
+// AVX-512 one)
+inline void six_bit_chunks(const uint8_t* wp, int half, __m256i* v) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  wp += half * 32;
+  for (int j = 0; j < 4; ++j) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64));
+    v[2 * j] = _mm256_and_si256(raw, nibble);
+    v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  }
+  for (int k = 0; k < 8; ++k) {
+    const int s = k % 4;
+    __m256i hi = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256 + (k / 4) * 64)),
+                                  _mm256_set1_epi8(static_cast<char>(3 << (2 * s))));
+    if (s == 0) hi = _mm256_slli_epi16(hi, 4);
+    else if (s == 1) hi = _mm256_slli_epi16(hi, 2);
+    else if (s == 3) hi = _mm256_srli_epi16(hi, 2);
+    v[k] = _mm256_or_si256(v[k], hi);
+  }
+}
+
+// sa[r], sb[r] = za[r], zb[r] + sum(code * x) over columns 0-15, 16-31 (see the AVX-512 one). AVX2:
+// two chunks' maddubs pairs added in int16 (|sum| <= 2 * 2 * 63 * 128 = 32256 < 32768), then widened.
+template <int R>
+inline void dot_block6(const uint8_t* wp, int half, const int32_t* const* xb, const int32_t* za,
+                       const int32_t* zb, vi* sa, vi* sb) {
+  __m256i v[8];
+  six_bit_chunks(wp, half, v);
+#if defined(KVB_ISA_AVXVNNI)
+  for (int r = 0; r < R; ++r) {
+    sa[r] = _mm256_set1_epi32(za[r]);
+    sb[r] = _mm256_set1_epi32(zb[r]);
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < R; ++r) sa[r] = _mm256_dpbusd_avx_epi32(sa[r], v[j], _mm256_set1_epi32(xb[r][j]));
+  for (int j = 4; j < 8; ++j)
+    for (int r = 0; r < R; ++r) sb[r] = _mm256_dpbusd_avx_epi32(sb[r], v[j], _mm256_set1_epi32(xb[r][j]));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto pair = [&](int r, int j) {          // chunks j, j + 1 of row r: int16 pair sums, then int32
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[j], _mm256_set1_epi32(xb[r][j])),
+                                              _mm256_maddubs_epi16(v[j + 1], _mm256_set1_epi32(xb[r][j + 1]))), ones);
+  };
+  for (int r = 0; r < R; ++r) {
+    sa[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(za[r]), pair(r, 0)), pair(r, 2));
+    sb[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(zb[r]), pair(r, 4)), pair(r, 6));
+  }
+#endif
+}
+
+// Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes)
+// (sx: or null), the sums of codes of each half block (hs [2 blocks]: or null).
+void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx, int32_t* hs) {
   for (int b = 0; b < cols / BLOCK; ++b) {
     vf a[4];
     for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
@@ -436,6 +534,15 @@ void quantize(const float* x, int cols, int8_t* xq, float* dx, float* sx) {
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     dx[b] = amax / 127.f;
     if (sx) sx[b] = dx[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
+    if (hs) {
+      for (int half = 0; half < 2; ++half) {
+        __m256i h = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
+        __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
+        h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1));
+        hs[2 * b + half] = _mm_cvtsi128_si32(h4);
+      }
+    }
   }
 }
 
@@ -538,15 +645,20 @@ inline float scale_at(const void* p, int type, size_t i) {
   return static_cast<const float*>(p)[i];
 }
 
-// Index of the super-block scale (S_U8) of tile t, block b, row r
+// Index of the super-block scale (S_U8, S_I8) of tile t, block b, row r
 inline size_t super_at(const QMat& w, size_t t, int b, int r) {
   return (t * (w.cols / BLOCK / 8) + b / 8) * TILE + r;
 }
 
-// d and m of row r of tile t, block b, as floats (the step's own numbers)
-inline float d_at(const QMat& w, size_t t, int b, int r) {
+// d of row r of tile t, block b (6-bit codes: of column c's half of it), and m, as floats (the step's
+// own numbers)
+inline float d_at(const QMat& w, size_t t, int b, int r, int c = 0) {
   const size_t i = (t * (w.cols / BLOCK) + b) * TILE + r;
   if (w.d_type == S_U8) return static_cast<float>(static_cast<const uint8_t*>(w.d)[i]) * f16_scalar(w.d2[super_at(w, t, b, r)]);
+  if (w.d_type == S_I8) {
+    const size_t g = ((t * (w.cols / BLOCK) + b) * 2 + c / 16) * TILE + r;
+    return static_cast<float>(static_cast<const int8_t*>(w.d)[g]) * f16_scalar(w.d2[super_at(w, t, b, r)]);
+  }
   return scale_at(w.d, w.d_type, i);
 }
 inline float m_at(const QMat& w, size_t t, int b, int r) {
@@ -556,33 +668,41 @@ inline float m_at(const QMat& w, size_t t, int b, int r) {
 }
 
 // Activations of M rows, quantized per row (quantize): row r's codes at xq + r * xq_stride, its
-// block scales and sums at dx / sx + r * s_stride; the float rows (for float weights) at x + r * x_stride.
+// block scales and sums at dx / sx + r * s_stride, its half blocks' sums of codes at hs + 2 r * s_stride
+// (for 6-bit weights); the float rows (for float weights) at x + r * x_stride.
 struct Acts {
   const float* x;
   const int8_t* xq;
   const float* dx;
   const float* sx;
+  const int32_t* hs;
   int x_stride, xq_stride, s_stride;
 };
 
 // Tile t of W times R rows of activations (rows r0 .. r0 + R): each block of the tile's weights is
 // loaded (and its nibbles split) once for the R rows, while every row's arithmetic is exactly that of
 // R = 1 (the same integer sums, the same order of float additions), so a row's numbers do not
-// depend on the rows beside it. DT, MT: the element types of d and m; BITS: 4 or 8.
+// depend on the rows beside it. DT, MT: the element types of d and m; BITS: 4, 6 or 8 (6: DT S_I8, a
+// scale per 16 columns, MT S_NONE: code 32 is 0, its sums subtracted in integers).
+template <int BITS>
+constexpr size_t BLOCK_BYTES = BITS == 4 ? 256 : BITS == 6 ? 384 : 512;
+
 template <int DT, int MT, int BITS, int R>
 void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int t) {
   const int blocks = w.cols / BLOCK;
-  constexpr size_t block_bytes = BITS == 4 ? 256 : 512;
+  constexpr size_t block_bytes = BLOCK_BYTES<BITS>;
   const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * block_bytes;
   const size_t tile_bytes = static_cast<size_t>(blocks) * block_bytes;
   const size_t sp = static_cast<size_t>(t) * blocks * TILE;
   const size_t sp2 = static_cast<size_t>(t) * (blocks / 8) * TILE;      // S_U8: the super-block scales
   const int32_t* xw[R];
   const float *dx[R], *sx[R];
+  const int32_t* hs[R];
   for (int r = 0; r < R; ++r) {
     xw[r] = reinterpret_cast<const int32_t*>(a.xq + static_cast<size_t>(r0 + r) * a.xq_stride);
     dx[r] = a.dx + static_cast<size_t>(r0 + r) * a.s_stride;
     sx[r] = a.sx + static_cast<size_t>(r0 + r) * a.s_stride;
+    hs[r] = BITS == 6 ? a.hs + static_cast<size_t>(r0 + r) * 2 * a.s_stride : nullptr;
   }
   const vf zero = vset1(w.zero), neg_zero = vset1(-w.zero);
   for (int h = 0; h < HALVES; ++h) {         // one output vector (VW rows of the tile) at a time
@@ -598,15 +718,33 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
       const uint8_t* ahead = h == 0 ? wb + PREFETCH : wb + tile_bytes;
       for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
       for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
-      dot_block<BITS, R>(wb, h, xb, s);
       const size_t i2 = sp2 + (b / 8) * TILE + h * VW;
-      const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW, w.d2, i2);
-      vf mv;                                   // code 0's value: m - zero * d (each product exact)
-      if constexpr (MT == S_NONE) mv = vmul(dv, neg_zero);
-      else mv = vfnma(dv, zero, load_scales<MT>(w.m, sp + b * TILE + h * VW, w.m2, i2));
-      for (int r = 0; r < R; ++r) {
-        acc[r] = vfma(vcvt(s[r]), vmul(dv, vset1(dx[r][b])), acc[r]);
-        acc[r] = vfma(mv, vset1(sx[r][b]), acc[r]);
+      if constexpr (BITS == 6) {
+        // each half's sum of (code - 32) * xq in integers (started at -32 sum(xq)), then
+        // (da * ta + db * tb) * dx
+        vi sb[R];
+        int32_t za[R], zb[R];
+        const int32_t zero6 = static_cast<int32_t>(w.zero);          // 32
+        for (int r = 0; r < R; ++r) {
+          za[r] = -zero6 * hs[r][2 * b];
+          zb[r] = -zero6 * hs[r][2 * b + 1];
+        }
+        dot_block6<R>(wb, h, xb, za, zb, s, sb);
+        const int8_t* dp = static_cast<const int8_t*>(w.d) + (sp + static_cast<size_t>(b) * TILE) * 2 + h * VW;
+        const vf super = f16_to_f32(w.d2 + i2);
+        const vf da = vmul(i8_to_f32(dp), super), db = vmul(i8_to_f32(dp + TILE), super);
+        for (int r = 0; r < R; ++r)
+          acc[r] = vfma(vfma(vcvt(sb[r]), db, vmul(vcvt(s[r]), da)), vset1(dx[r][b]), acc[r]);
+      } else {
+        dot_block<BITS, R>(wb, h, xb, s);
+        const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW, w.d2, i2);
+        vf mv;                                   // code 0's value: m - zero * d (each product exact)
+        if constexpr (MT == S_NONE) mv = vmul(dv, neg_zero);
+        else mv = vfnma(dv, zero, load_scales<MT>(w.m, sp + b * TILE + h * VW, w.m2, i2));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = vfma(vcvt(s[r]), vmul(dv, vset1(dx[r][b])), acc[r]);
+          acc[r] = vfma(mv, vset1(sx[r][b]), acc[r]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -651,6 +789,7 @@ void gemm(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, i
     case DT * 4 + S_F32: return gemm_bits<DT, S_F32>(w, a, M, y, y_stride, t0, t1);   \
     case DT * 4 + S_NONE: return gemm_bits<DT, S_NONE>(w, a, M, y, y_stride, t0, t1);
   if (w.d_type == S_U8 && w.m_type == S_U8) return gemm_bits<S_U8, S_U8>(w, a, M, y, y_stride, t0, t1);
+  if (w.bits == 6) return gemm_t<S_I8, S_NONE, 6>(w, a, M, y, y_stride, t0, t1);
   switch (w.d_type * 4 + w.m_type) {
     KVB_M_TYPES(S_BF16)
     KVB_M_TYPES(S_F16)
@@ -727,38 +866,49 @@ void gemm_f32(const QMat& w, const Acts& a, int M, float* y, int y_stride, int n
   for (; n < n1; ++n) f32_weight_block<1>(w, a, M, y, y_stride, n);
 }
 
-// The code of row r, column c of a (tile, block) of a 4- or 8-bit W (wp: its 256 or 512 bytes).
+// The code of row r, column c of a (tile, block) of a 4-, 6- or 8-bit W (wp: its 256, 384 or 512 bytes).
 inline int code_at(const QMat& w, const uint8_t* wp, int r, int c) {
-  if (w.bits == 4) {
+  if (w.bits == 4 || w.bits == 6) {
     const uint8_t byte = wp[(c / 8) * 64 + r * 4 + (c % 8) % 4];
-    return c % 8 < 4 ? (byte & 15) : (byte >> 4);
+    const int low = c % 8 < 4 ? (byte & 15) : (byte >> 4);
+    if (w.bits == 4) return low;
+    const int k = c / 4;                     // the high bits: plane k / 4, bits 2 (k % 4)
+    return low | (((wp[256 + (k / 4) * 64 + r * 4 + c % 4] >> (2 * (k % 4))) & 3) << 4);
   }
   return wp[(c / 4) * 64 + r * 4 + c % 4];
+}
+
+inline size_t block_bytes_of(const QMat& w) { return w.bits == 4 ? 256 : w.bits == 6 ? 384 : 512; }
+
+// The weight at row r, column c of block b of tile t (wp: that block's codes) as packed.py decodes it:
+// code * d + (m - zero * d); 6-bit codes (Q6_K) (code - zero) * d, gguf's own one rounding.
+inline float weight_at(const QMat& w, const uint8_t* wp, size_t t, int b, int r, int c) {
+  const float d = d_at(w, t, b, r, c);
+  if (w.bits == 6) return static_cast<float>(code_at(w, wp, r, c) - static_cast<int>(w.zero)) * d;
+  return static_cast<float>(code_at(w, wp, r, c)) * d + (m_at(w, t, b, r) - w.zero * d);
 }
 
 // Row n of W decoded to floats, dotted with float x (the exact recomputation of the best logits).
 float exact_row(const QMat& w, int n, const float* x) {
   const int blocks = w.cols / BLOCK, t = n / TILE, r = n % TILE;
-  const size_t block_bytes = w.bits == 4 ? 256 : 512;
+  const size_t block_bytes = block_bytes_of(w);
   double total = 0.0;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
-    float d = d_at(w, t, b, r);
-    float m = m_at(w, t, b, r) - w.zero * d;
     for (int c = 0; c < BLOCK; ++c)
-      total += static_cast<double>(static_cast<float>(code_at(w, wp, r, c)) * d + m) * x[b * BLOCK + c];
+      total += static_cast<double>(weight_at(w, wp, t, b, r, c)) * x[b * BLOCK + c];
   }
   return static_cast<float>(total + (w.bias ? w.bias[n] : 0.f));
 }
 
-// Rows ids[0 .. M) of a 4- or 8-bit W decoded to floats into x [M, cols]: code * d + (m - zero * d),
-// as weights/packed.py's PackedEmbedding decodes them (the input embedding of a model whose packed
-// head is its embedding table). With d in bf16 / fp16 (or S_U8: a 6-bit integer times a float16) the
+// Rows ids[0 .. M) of a 4-, 6- or 8-bit W decoded to floats into x [M, cols] (weight_at), as
+// weights/packed.py's PackedEmbedding decodes them (the input embedding of a model whose packed head
+// is its embedding table). With d in bf16 / fp16 (or S_U8: a 6-bit integer times a float16) the
 // product code * d is exact in float32, so the one rounding is the sum's, contracted into an FMA or
-// not; the caller refuses float32 d.
+// not (6-bit: the one rounding is the product's); the caller refuses float32 d.
 void decode_rows_of(const QMat& w, const int64_t* ids, int M, float* x) {
   const int blocks = w.cols / BLOCK;
-  const size_t block_bytes = w.bits == 4 ? 256 : 512;
+  const size_t block_bytes = block_bytes_of(w);
   for (int i = 0; i < M; ++i) {
     const int64_t n = ids[i];
     const int64_t t = n / TILE;
@@ -766,9 +916,7 @@ void decode_rows_of(const QMat& w, const int64_t* ids, int M, float* x) {
     float* out = x + static_cast<size_t>(i) * w.cols;
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
-      const float d = d_at(w, t, b, r);
-      const float m = m_at(w, t, b, r) - w.zero * d;
-      for (int c = 0; c < BLOCK; ++c) out[b * BLOCK + c] = static_cast<float>(code_at(w, wp, r, c)) * d + m;
+      for (int c = 0; c < BLOCK; ++c) out[b * BLOCK + c] = weight_at(w, wp, t, b, r, c);
     }
   }
 }
@@ -1606,9 +1754,11 @@ struct Decoder {
   Team team;
   std::mutex busy;
   // scratch, per row: x [hidden], h [hw], qkv [qkv_w], attn [q_rows], mlp [2 inter], act [inter],
-  // xq [xq_w], dx / sx [s_w]
+  // xq [xq_w], dx / sx [s_w], hs [2 s_w] (where some matrix has 6-bit codes: six_bit)
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
+  bool six_bit = false;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
+  std::vector<int32_t> hs;
   std::vector<int8_t> xq;
   std::vector<int32_t> q_words, q_corr;         // over int8 KV, per row: the query heads' codes (QCodes)
   std::vector<float> q_scale;
@@ -1631,6 +1781,7 @@ struct Decoder {
     mlp.resize(static_cast<size_t>(M) * 2 * inter); act.resize(static_cast<size_t>(M) * inter);
     xq.resize(static_cast<size_t>(M) * xq_w);
     dx.resize(static_cast<size_t>(M) * s_w); sx.resize(static_cast<size_t>(M) * s_w);
+    if (six_bit) hs.resize(static_cast<size_t>(M) * 2 * s_w);
     if (i8_queries) {
       q_words.resize(static_cast<size_t>(M) * (q_rows / 4) * I8_PARTS);
       q_scale.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
@@ -1647,7 +1798,7 @@ struct Decoder {
     const int blocks = q_rows / KV_I8_BLOCK;
     int8_t* codes = q_codes.data() + static_cast<size_t>(r) * q_rows;
     quantize(qkv.data() + static_cast<size_t>(r) * qkv_w, q_rows, codes, q_scale.data() + static_cast<size_t>(r) * blocks,
-             nullptr);
+             nullptr, nullptr);
     int32_t* words = q_words.data() + static_cast<size_t>(r) * (q_rows / 4) * I8_PARTS;
     for (int c = 0; c < q_rows / 4; ++c) {
       int32_t w;
@@ -1676,16 +1827,17 @@ struct Decoder {
     *t1 = tiles * (id + 1) / n;
   }
 
-  // row r of a [M, cols] float activation (stride `stride`) quantized into xq / dx / sx row r
+  // row r of a [M, cols] float activation (stride `stride`) quantized into xq / dx / sx (/ hs) row r
   void quantize_row(const float* src, int stride, int cols, int r) {
     if (quantized) quantize(src + static_cast<size_t>(r) * stride, cols, xq.data() + static_cast<size_t>(r) * xq_w,
-                            dx.data() + static_cast<size_t>(r) * s_w, sx.data() + static_cast<size_t>(r) * s_w);
+                            dx.data() + static_cast<size_t>(r) * s_w, sx.data() + static_cast<size_t>(r) * s_w,
+                            six_bit ? hs.data() + static_cast<size_t>(r) * 2 * s_w : nullptr);
   }
 
   // y[r] = W x[r] for the M rows, this thread's share of W's rows; x: the float rows (their
   // quantized copies in xq / dx / sx when W is not float)
   void matmul(const QMat& w, int M, const float* x, int x_stride, float* y, int y_stride, int id, int n) {
-    const Acts a{x, xq.data(), dx.data(), sx.data(), x_stride, xq_w, s_w};
+    const Acts a{x, xq.data(), dx.data(), sx.data(), hs.data(), x_stride, xq_w, s_w};
     int t0, t1;
     if (w.bits == 32) {
       split(w.rows / 8, id, n, &t0, &t1);
@@ -2204,6 +2356,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
     for (const QMat& m : {L.o, L.down}) if (m.bits != 32) dec->quantized = true;
     for (const QMat& m : L.qkv) if (m.bits != 32) dec->quantized = true;
     for (const QMat& m : L.gate_up) if (m.bits != 32) dec->quantized = true;
+    for (const QMat& m : {L.o, L.down}) if (m.bits == 6) dec->six_bit = true;
+    for (const QMat& m : L.qkv) if (m.bits == 6) dec->six_bit = true;
+    for (const QMat& m : L.gate_up) if (m.bits == 6) dec->six_bit = true;
     L.window = static_cast<int>(a.window);
     dec->stack.push_back(L);
   }
@@ -2211,6 +2366,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->final_norm = args->final_norm;
   dec->head = qmat(args->head);
   if (dec->head.bits != 32) dec->quantized = true;
+  if (dec->head.bits == 6) dec->six_bit = true;
   if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
   dec->i8_queries = dec->kv_type == KV_I8 && dec->quantized && dec->head_dim <= MAX_I8_HEAD_DIM;
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;

@@ -78,8 +78,8 @@ def float_matrix(module: torch.nn.Linear) -> dict:
 def embeds_from_head(adapter: ModelAdapter, kind: str) -> bool:
     """Whether the native side can look up the input embeddings: a packed model whose embedding is
     its head's table as it is (no scale, float32 out), with bf16 / fp16 scales or a K-quant's two
-    levels (code * d exact in float32 either way; kvb_decoder_embed)."""
+    levels (code * d exact in float32, or Q6_K's (code - 32) * d: one rounding either way; kvb_decoder_embed)."""
     embed, head = adapter.embed, adapter.lm_head
     return (kind == "packed" and isinstance(embed, PackedEmbedding) and embed.table is head
             and embed.embed_scale is None and embed.out_dtype == torch.float32
-            and head.d.dtype in (torch.bfloat16, torch.float16, torch.uint8))
+            and head.d.dtype in (torch.bfloat16, torch.float16, torch.uint8, torch.int8))

@@ -61,7 +61,8 @@ class QuantBlocks:
     group: int                  # values sharing one scale: 32 (Q6_K: 16)
     # Q4_K, Q5_K: the factors of scales and mins as stored, (sc, d, mn, dmin): 6-bit sub-block
     # scales and minimums uint8 [rows, groups], their super-block's d and dmin float32 [rows, groups / 8];
-    # scales = d * sc and mins = dmin * mn per group (exact products). Else None.
+    # scales = d * sc and mins = dmin * mn per group (exact products). Q6_K: (sc, d), int8 scales per 16
+    # [rows, groups] and d [rows, groups / 16]. Else None.
     factors: tuple | None = None
 
 
@@ -135,9 +136,10 @@ def _q6k_blocks(tensor: GGUFTensor) -> QuantBlocks:
     low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(rows, nb, 8, 32)     # [R, B, 8, 32]
     high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(rows, nb, 8, 32)
     codes = low | (high << 4)                                               # 0..63
-    sc = b[..., 192:208].contiguous().view(torch.int8).float()              # [R, B, 16]
+    sc = b[..., 192:208].contiguous().view(torch.int8)                      # [R, B, 16]
     d = _fp16(b.numpy(), 208)[..., None]
-    return QuantBlocks(codes.reshape(tensor.shape), (d * sc).flatten(1), None, 32, 16)
+    return QuantBlocks(codes.reshape(tensor.shape), (d * sc.float()).flatten(1), None, 32, 16,
+                       (sc.flatten(1), d[..., 0]))
 
 
 def blocks(tensor: GGUFTensor) -> QuantBlocks:

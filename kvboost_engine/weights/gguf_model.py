@@ -41,11 +41,11 @@ from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import PackedEmbedding, PackedLinear
 
-PACK_VERSION = "gguf-pack-3"   # 3: K-quants keep two-level scales (2: the config gets what transformers' reader drops)
+PACK_VERSION = "gguf-pack-3"   # 3: K-quants keep two-level scales, Q6_K 6-bit (2: the config gets what transformers' reader drops)
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")   # the native step runs them as stored (decoder.py)
 FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
-REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes at most (Q6_K: 9 bits a weight for 6.56)
+REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes (Q4_K 1.03, Q6_K 1.0; a file all Q5_0, 8.5 bits for 5.5, passes it)
 EXACT_TOP = 8                   # head rows whose logits the native step recomputes in float (as weights="int4")
 DATA, INDEX, COMPLETE = "weights.bin", "weights.json", ".kvboost-complete"
 EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
@@ -255,7 +255,7 @@ def load_packed_model(target: Path, config) -> nn.Module:
         owner = model.get_submodule(parent) if parent else model
         old = getattr(owner, child)
         bias = tensors.get(f"{name}.bias")
-        linear = PackedLinear(tensors[f"{name}.codes"], tensors[f"{name}.d"], tensors[f"{name}.m"], spec["bits"],
+        linear = PackedLinear(tensors[f"{name}.codes"], tensors[f"{name}.d"], tensors.get(f"{name}.m"), spec["bits"],
                               spec["rows"], spec["cols"], bias, spec.get("zero_code", zero_code(spec.get("type", ""))),
                               spec.get("m_code", 0), tensors.get(f"{name}.d2"), tensors.get(f"{name}.m2"))
         if name == EMBEDDING:

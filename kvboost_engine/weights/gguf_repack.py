@@ -6,14 +6,15 @@ Exact (the packed weight decodes to the `gguf` package's dequantization bit for 
 - Q4_K -> 4-bit codes, Q5_K -> 8-bit codes, with the two levels of scales kept: the 6-bit sub-block
   scale and minimum as uint8 d and m, the super-block's d and -dmin in float16 as d2 and m2 (each
   product, an fp16 times a 6-bit integer, is exact in float32: the file's d * sc and -(dmin * mn))
+- Q6_K -> 6-bit codes (the kernel's 6-bit layout), its int8 scales per 16 values as d and the
+  super-block's fp16 d as d2; a weight is (code - 32) * (d * d2), the reference's own expression
 Each product and sum is exact in float32 (codes of at most 8 bits times an 11-bit mantissa), so
-code * d + m rounds to the same float as the reference's expression. A float16 m that would not
-hold -8 d exactly (overflow) is kept in float32.
+code * d + m rounds to the same float as the reference's expression. An m that is -zero * d
+(`zero_code`: Q4_0, Q5_0, Q8_0, Q6_K, re-quantized) is not stored: it is derived from d, exactly.
 
-Converted once, with the error stated (`Repacked.max_error`): Q6_K (scales per 16 values, the
-kernel has one per 32) and float matrices (F32/F16/BF16), re-quantized to 8 bits per 32 values
-(symmetric, round to nearest: at most 1/254 of the block's largest magnitude; about 1/8 of a Q6_K
-step).
+Converted once, with the error stated (`Repacked.max_error`): float matrices (F32/F16/BF16),
+re-quantized to 8 bits per 32 values (symmetric, round to nearest: at most 1/254 of the block's
+largest magnitude).
 
 `row_order`: the file's rows in another order (llama.cpp stores llama's q/k rows interleaved per head;
 `unpermute_rows` gives HF's order), applied to codes and scales alike: a row move is exact.
@@ -30,14 +31,17 @@ from .packed import BLOCK, TILE, pack_codes, tile_scales
 
 _HALF = {"Q4_0": (4, 8), "Q4_1": (4, None), "Q5_0": (8, 16), "Q5_1": (8, None), "Q8_0": (8, 128)}
 _K = {"Q4_K": 4, "Q5_K": 8}
-REQUANTIZED = ("Q6_K", "F32", "F16", "BF16")
+SIX_BIT = "Q6_K"
+REQUANTIZED = ("F32", "F16", "BF16")
 
 
 def zero_code(kind: str) -> int | None:
     """The code whose value is 0 where a packed matrix of this GGUF type has m == -code * d exactly
-    (Q4_0 8, Q5_0 16, Q8_0 and the re-quantized types 128), else None (the file's own m)."""
+    (Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 and the re-quantized types 128), else None (the file's own m)."""
     if kind in REQUANTIZED:
         return 128
+    if kind == SIX_BIT:
+        return 32
     return _HALF.get(kind, (None, None))[1]
 
 
@@ -47,7 +51,7 @@ class Repacked:
 
     codes: torch.Tensor
     d: torch.Tensor
-    m: torch.Tensor
+    m: torch.Tensor | None      # None: derived from d (zero_code)
     bits: int
     rows: int
     cols: int
@@ -91,8 +95,8 @@ def repack(tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> Repacke
     n, k = tensor.shape
     kind = tensor.type_name
     error = 0.0
-    if kind in _K:
-        return _two_level(tensor, _K[kind], row_order)
+    if kind in _K or kind == SIX_BIT:
+        return _two_level(tensor, row_order)
     if kind in _HALF:
         q = blocks(tensor)
         codes, d = q.codes, q.scales
@@ -107,22 +111,32 @@ def repack(tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> Repacke
         bits, d_dtype, m_dtype = 8, torch.float32, torch.float32
     else:
         raise UnsupportedModelError(f"type {kind} of tensor {tensor.name} has no packed layout "
-                                    f"(supported: {', '.join([*_HALF, *_K, *REQUANTIZED])})")
+                                    f"(supported: {', '.join([*_HALF, *_K, SIX_BIT, *REQUANTIZED])})")
+    if zero_code(kind) is not None:
+        m = None                                # -zero * d: derived where it is used, never stored
     if row_order is not None:
-        codes, d, m = codes[row_order], d[row_order], m[row_order]
+        codes, d = codes[row_order], d[row_order]
+        m = None if m is None else m[row_order]
     packed = pack_codes(codes.reshape(n, k).to(torch.uint8), d, m, bits, d_dtype, m_dtype)
     return Repacked(packed["codes"], packed["d"], packed["m"], bits, n, k, error)
 
 
-def _two_level(tensor: GGUFTensor, bits: int, row_order: torch.Tensor | None) -> Repacked:
-    """A K-quant with its scales as stored: uint8 sub-block scales and minimums, float16 super-block
-    d and -dmin (module docstring; the fp16 values came from fp16, so the cast is exact)."""
+def _two_level(tensor: GGUFTensor, row_order: torch.Tensor | None) -> Repacked:
+    """A K-quant with its scales as stored: Q4_K / Q5_K's uint8 sub-block scales and minimums with
+    float16 super-block d and -dmin, Q6_K's int8 scales per 16 with its float16 d (module docstring;
+    the fp16 values came from fp16, so the cast is exact)."""
     n, k = tensor.shape
     q = blocks(tensor)
-    sc, d, mn, dmin = q.factors
-    codes = q.codes.reshape(n, k)
+    six = tensor.type_name == SIX_BIT
+    parts = [q.codes.reshape(n, k), *q.factors]
     if row_order is not None:
-        codes, sc, d, mn, dmin = (t[row_order] for t in (codes, sc, d, mn, dmin))
+        parts = [t[row_order] for t in parts]
+    if six:
+        codes, sc, d = parts
+        packed = pack_codes(codes.to(torch.uint8), sc, None, 6, torch.int8)
+        return Repacked(packed["codes"], packed["d"], None, 6, n, k, 0.0, tile_scales(d, torch.float16))
+    codes, sc, d, mn, dmin = parts
+    bits = _K[tensor.type_name]
     packed = pack_codes(codes.to(torch.uint8), sc, mn, bits, torch.uint8, torch.uint8)
     return Repacked(packed["codes"], packed["d"], packed["m"], bits, n, k, 0.0,
                     tile_scales(d, torch.float16), tile_scales(-dmin, torch.float16))

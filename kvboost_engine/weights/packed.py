@@ -11,7 +11,9 @@ Q8_0 (GGUF stores fp16; Q4_0's m = -8 d and Q8_0's m = -128 d are exact in fp16 
 keep their two levels: d and m are the 6-bit sub-block scale and minimum (uint8), `d2` and `m2` the
 float16 super-block scale and minus the super-block minimum, one per 8 blocks; d * d2 and m * m2,
 exact in float32, are the file's d * sc and -(dmin * mn) (4.6 bits a weight read, not 6 as float32
-products).
+products). Q6_K keeps its 6-bit codes (the low 4 bits as 4-bit codes, the high 2 in two planes
+after them), its int8 scale per 16 columns as d and its float16 super-block scale as d2: a weight
+is (code - 32) * (d * d2), gguf's own expression (6.56 bits a weight, as the file).
 
 The PyTorch path (prefill until the native kernel family takes it, CPUs without the native step)
 dequantizes a layer's weight per forward (`dequantized`): a transient float copy of one matrix,
@@ -34,11 +36,19 @@ def pack_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     """codes uint8 [N, K] (< 2**bits), scale [N, K/32], offset [N, K/32] (what code 0 decodes to;
     None: no m, for a matrix whose m the native step derives from d) -> the kernel's tiles
     {"codes": uint8, "d": scale_dtype, "m": offset_dtype or None}, each flat: codes [tiles, blocks,
-    256 (4-bit: octet, half, row, 4 cols) or 512 (8-bit: quad, row, 4 cols)], d and m [tiles,
-    blocks, 16 rows]. The caller checks the scales are exact in their dtype."""
+    256 (4-bit: octet, half, row, 4 cols) or 512 (8-bit: quad, row, 4 cols), or 384 (6-bit: the low 4
+    bits as 4-bit codes, then 2 planes of [row, 4 cols] bytes, plane p's bits 2s, 2s + 1 the high bits
+    of quad 4p + s)], d and m [tiles, groups, 16 rows] (6-bit: two groups of 16 columns a block).
+    The caller checks the scales are exact in their dtype."""
     n, k = codes.shape
     tiles, blocks = n // TILE, k // BLOCK
-    if bits == 4:
+    if bits == 6:
+        high = codes >> 4
+        low = pack_codes(codes & 15, scale, None, 4, scale_dtype)["codes"].view(tiles, blocks, 256)
+        h = high.view(tiles, TILE, blocks, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)       # [T, B, plane, s, row, col]
+        planes = h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)
+        packed = torch.cat([low, planes.reshape(tiles, blocks, 128)], dim=-1).contiguous()
+    elif bits == 4:
         c = codes.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)    # [T, B, octet, half, row, col]
         packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()
     else:
@@ -56,6 +66,12 @@ def tile_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
     """The inverse of pack_codes for the codes: uint8 [N, K]."""
     tiles, blocks = n // TILE, k // BLOCK
+    if bits == 6:
+        p = packed.view(tiles, blocks, 384)
+        low = unpack_codes(p[..., :256].reshape(-1), n, k, 4)
+        planes = p[..., 256:].reshape(tiles, blocks, 2, 1, TILE, 4)                # [T, B, plane, -, row, col]
+        high = torch.cat([(planes >> (2 * s)) & 3 for s in range(4)], dim=3)        # [T, B, plane, s, row, col]
+        return low | (high.permute(0, 4, 1, 2, 3, 5).reshape(n, k) << 4)
     if bits == 4:
         p = packed.view(tiles, blocks, 4, TILE, 4)                                  # [T, B, octet, row, col]
         c = torch.stack([p & 15, p >> 4], dim=3)                                    # [T, B, octet, half, row, col]
@@ -66,7 +82,7 @@ def unpack_codes(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tenso
 class PackedLinear(nn.Module):
     """nn.Linear over a packed weight (module docstring): buffers codes, d, m (and bias)."""
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
                  out_features: int, in_features: int, bias: torch.Tensor | None = None,
                  zero_code: int | None = None, m_code: int = 0,
                  d2: torch.Tensor | None = None, m2: torch.Tensor | None = None):
@@ -75,24 +91,32 @@ class PackedLinear(nn.Module):
         m_code: m is the value of this code (a power of two; 0: of code 0), so m may be stored in
         bf16 (weights="int4": the quantizer's own bf16 zero, half the bytes of a float32 offset).
         d2, m2: with uint8 d and m (K-quants), their float16 super-block scales [tiles, blocks / 8,
-        16] (module docstring)."""
+        16] (module docstring). 6-bit codes (Q6_K): int8 d [tiles, 2 blocks, 16], float16 d2, no m,
+        zero_code 32. m may be None wherever zero_code gives it."""
         super().__init__()
         for name, code in (("zero_code", zero_code), ("m_code", m_code or None)):
             if code is not None and (code <= 0 or code & (code - 1)):
                 raise ValueError(f"{name} is a power of two (got {code})")
         if zero_code is not None and m_code:
             raise ValueError("zero_code (m derived from d) and m_code (m stored for a code) exclude each other")
-        if bits not in (4, 8) or out_features % TILE or in_features % BLOCK:
-            raise ValueError(f"a packed weight is 4- or 8-bit with rows a multiple of {TILE} and columns of "
+        if bits not in (4, 6, 8) or out_features % TILE or in_features % BLOCK:
+            raise ValueError(f"a packed weight is 4-, 6- or 8-bit with rows a multiple of {TILE} and columns of "
                              f"{BLOCK}; got {bits} bits, [{out_features}, {in_features}]")
-        two_level = d.dtype == torch.uint8
-        if two_level:
+        if m is None and zero_code is None:
+            raise ValueError("a packed weight without m needs the zero_code that gives it")
+        if bits == 6 or d.dtype == torch.int8:
+            if bits != 6 or d.dtype != torch.int8 or m is not None or zero_code != 32 or d2 is None \
+                    or d2.dtype != torch.float16 or m2 is not None or in_features % (BLOCK * SUPER):
+                raise ValueError("6-bit codes (Q6_K) take int8 d, float16 d2, no m and zero_code 32, over columns "
+                                 f"in whole super-blocks of {BLOCK * SUPER}")
+        elif d.dtype == torch.uint8:
             if m.dtype != torch.uint8 or d2 is None or m2 is None or d2.dtype != torch.float16 \
                     or m2.dtype != torch.float16 or in_features % (BLOCK * SUPER) or zero_code or m_code:
                 raise ValueError("uint8 d goes with uint8 m, float16 d2 and m2 and columns in whole super-blocks "
                                  f"of {BLOCK * SUPER} (got m {m.dtype}, d2 {None if d2 is None else d2.dtype}, "
                                  f"m2 {None if m2 is None else m2.dtype}, {in_features} columns)")
-        elif d.dtype not in SCALE_DTYPES or m.dtype not in SCALE_DTYPES or d2 is not None or m2 is not None:
+        elif d.dtype not in SCALE_DTYPES or (m is not None and m.dtype not in SCALE_DTYPES) \
+                or d2 is not None or m2 is not None:
             raise ValueError(f"scales d {d.dtype} / m {m.dtype}: each is bf16, fp16 or fp32 (or uint8 with d2 and m2)")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.exact_top = 0              # the native head recomputes its best rows in float (as _FormatLinear)
@@ -106,20 +130,59 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def scales(self, tiles, row=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 d and m of `tiles` (an index or slice of tiles): [.., blocks, 16]; or of row `row` of
-        each (an index, as `tiles`): [.., blocks]. Two-level scales multiplied out (exact products)."""
+        """Float32 d and m of `tiles` (an index or slice of tiles): [.., groups, 16]; or of row `row` of
+        each (an index, as `tiles`): [.., groups] (a group: a block of 32 columns, 16 for 6-bit codes).
+        Two-level scales multiplied out (exact products); m derived where it is not stored."""
         blocks = self.in_features // BLOCK
+        groups = self.in_features // self.group
 
-        def pick(flat: torch.Tensor, groups: int) -> torch.Tensor:
-            view = flat.view(-1, groups, TILE)
+        def pick(flat: torch.Tensor, count: int) -> torch.Tensor:
+            view = flat.view(-1, count, TILE)
             return (view[tiles] if row is None else view[tiles, :, row]).float()
 
-        d, m = pick(self.d, blocks), pick(self.m, blocks)
+        dim = -2 if row is None else -1
+        d = pick(self.d, groups)
         if self.d2 is not None:
-            dim = -2 if row is None else -1
-            d = d * pick(self.d2, blocks // SUPER).repeat_interleave(SUPER, dim=dim)
+            d = d * pick(self.d2, blocks // SUPER).repeat_interleave(groups // (blocks // SUPER), dim=dim)
+        if self.m is None:
+            return d, -self.zero_code * d
+        m = pick(self.m, groups)
+        if self.m2 is not None:
             m = m * pick(self.m2, blocks // SUPER).repeat_interleave(SUPER, dim=dim)
         return d, m
+
+    @property
+    def group(self) -> int:
+        """Columns sharing one d: 32, or 16 for 6-bit codes (Q6_K)."""
+        return 16 if self.bits == 6 else BLOCK
+
+    def values(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """Weights from codes [.., K] and their groups' float32 d and m [.., K / group]: code * d + offset
+        (an exact product and one rounding; `offset_of`), or for 6-bit codes (code - zero) * d (gguf's)."""
+        c = codes.view(*codes.shape[:-1], -1, self.group).float()
+        if self.bits == 6:
+            return ((c - self.zero_code) * d[..., None]).flatten(-2)
+        return torch.addcmul(self.offset_of(m, d)[..., None], c, d[..., None]).flatten(-2)
+
+    def row_codes(self, tiles, row) -> torch.Tensor:
+        """The codes of row `row` of tile `tiles` (ints, or index tensors of one length): uint8 [.., K]."""
+        blocks, k = self.in_features // BLOCK, self.in_features
+        part = self.codes.view(-1, blocks, {4: 256, 6: 384, 8: 512}[self.bits])[tiles]    # [.., B, bytes]
+        lead = part.shape[:-2]
+
+        def of_row(raw: torch.Tensor, chunks: int) -> torch.Tensor:                # [.., B, chunks, 4]
+            view = raw.reshape(*lead, blocks, chunks, TILE, 4)
+            return view[torch.arange(len(tiles)), :, :, row] if lead else view[:, :, row]
+
+        if self.bits == 8:
+            return of_row(part, 8).reshape(*lead, k)
+        low = of_row(part[..., :256], 4)                                            # [.., B, octet, 4]
+        codes = torch.stack([low & 15, low >> 4], dim=-2).reshape(*lead, k)
+        if self.bits == 4:
+            return codes
+        planes = of_row(part[..., 256:], 2)                                         # [.., B, plane, 4]
+        high = torch.stack([(planes >> (2 * s)) & 3 for s in range(4)], dim=-2)     # [.., B, plane, s, 4]
+        return codes | (high.reshape(*lead, k) << 4)
 
     def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d +
@@ -127,9 +190,9 @@ class PackedLinear(nn.Module):
         k, end = self.in_features, self.out_features if end is None else end
         tiles = self.out_features // TILE
         n, t0, t1 = end - first, first // TILE, end // TILE
-        codes = unpack_codes(self.codes.view(tiles, -1)[t0:t1].reshape(-1), n, k, self.bits).view(n, k // BLOCK, BLOCK)
-        d, m = (s.permute(0, 2, 1).reshape(n, k // BLOCK, 1) for s in self.scales(slice(t0, t1)))
-        return torch.addcmul(self.offset_of(m, d), codes.float(), d).view(n, k)
+        codes = unpack_codes(self.codes.view(tiles, -1)[t0:t1].reshape(-1), n, k, self.bits)
+        d, m = (s.permute(0, 2, 1).reshape(n, k // self.group) for s in self.scales(slice(t0, t1)))
+        return self.values(codes, d, m)
 
     def offset_of(self, m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """Code 0's value from float32 m and d: m, or m - m_code * d (what the native step computes)."""
@@ -156,7 +219,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"d={str(self.d.dtype).removeprefix('torch.')}, m={str(self.m.dtype).removeprefix('torch.')}, "
+                f"d={str(self.d.dtype).removeprefix('torch.')}, "
+                f"m={'derived' if self.m is None else str(self.m.dtype).removeprefix('torch.')}, "
                 f"bias={self.bias is not None}")
 
 
@@ -180,18 +244,9 @@ class PackedEmbedding(nn.Module):
             self._checked(int(flat.min()))
             self._checked(int(flat.max()))
         t = self.table
-        k, blocks, block_bytes = t.in_features, t.in_features // BLOCK, 256 if t.bits == 4 else 512
-        tiles = flat // TILE
-        row = flat % TILE
-        codes = t.codes.view(-1, blocks, block_bytes)[tiles]                        # [R, B, bytes]
-        if t.bits == 4:
-            c = codes.view(-1, blocks, 4, TILE, 4)[torch.arange(len(flat)), :, :, row]   # [R, B, octet, col]
-            c = torch.stack([c & 15, c >> 4], dim=3).reshape(len(flat), k)
-        else:
-            c = codes.view(-1, blocks, 8, TILE, 4)[torch.arange(len(flat)), :, :, row].reshape(len(flat), k)
-        d, m = t.scales(tiles, row)                                                 # [R, B]
-        values = torch.addcmul(t.offset_of(m, d)[..., None], c.view(len(flat), blocks, BLOCK).float(), d[..., None])
-        values = values.view(*ids.shape, k).to(self.out_dtype)
+        tiles, row = flat // TILE, flat % TILE
+        values = t.values(t.row_codes(tiles, row), *t.scales(tiles, row))           # [R, K]
+        values = values.view(*ids.shape, t.in_features).to(self.out_dtype)
         return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
 
     def _checked(self, index: int) -> int:
@@ -205,16 +260,8 @@ class PackedEmbedding(nn.Module):
         """Row `index` [K] (a decode step's token): the same numbers as forward's, by views of the
         row's tile (about half the time of the indexed path, which a step of one token paid)."""
         t = self.table
-        k, blocks, block_bytes = t.in_features, t.in_features // BLOCK, 256 if t.bits == 4 else 512
         tile, row = divmod(index, TILE)
-        codes = t.codes.view(-1, blocks, block_bytes)[tile]                         # [B, bytes]
-        if t.bits == 4:
-            c = codes.view(blocks, 4, TILE, 4)[:, :, row]                           # [B, octet, col]
-            c = torch.stack([c & 15, c >> 4], dim=2).reshape(blocks, BLOCK)
-        else:
-            c = codes.view(blocks, 8, TILE, 4)[:, :, row].reshape(blocks, BLOCK)
-        d, m = t.scales(tile, row)                                                  # [B]
-        values = torch.addcmul(t.offset_of(m, d)[:, None], c.float(), d[:, None]).view(k).to(self.out_dtype)
+        values = t.values(t.row_codes(tile, row), *t.scales(tile, row)).to(self.out_dtype)
         return values if self.embed_scale is None else values * self.embed_scale.to(self.out_dtype)
 
     def extra_repr(self) -> str:
