@@ -7,7 +7,8 @@ columns, a scale `d` and an offset `m`: w[n, k] = code * d + m, or, for a matrix
 computed in float32 with one rounding (m_code * d is exact: a power of two). Tiles of 16 rows x 32
 columns (`pack_codes`): what native/decode.cpp reads with vpdpbusd, so the native step reads these
 very tensors, with no copy. `d` and `m` keep the file's own precision: float16 for Q4_0 / Q4_1 /
-Q8_0 (GGUF stores fp16; Q4_0's m = -8 d and Q8_0's m = -128 d are exact in fp16 too). The K-quants
+Q8_0 (GGUF stores fp16); an m that is -zero_code * d (Q4_0's -8 d, Q8_0's -128 d) may be left out
+(None) and is then derived from d, exactly. The K-quants
 keep their two levels: d and m are the 6-bit sub-block scale and minimum (uint8), `d2` and `m2` the
 float16 super-block scale and minus the super-block minimum, one per 8 blocks; d * d2 and m * m2,
 exact in float32, are the file's d * sc and -(dmin * mn) (4.6 bits a weight read, not 6 as float32
@@ -117,7 +118,8 @@ class PackedLinear(nn.Module):
                                  f"m2 {None if m2 is None else m2.dtype}, {in_features} columns)")
         elif d.dtype not in SCALE_DTYPES or (m is not None and m.dtype not in SCALE_DTYPES) \
                 or d2 is not None or m2 is not None:
-            raise ValueError(f"scales d {d.dtype} / m {m.dtype}: each is bf16, fp16 or fp32 (or uint8 with d2 and m2)")
+            raise ValueError(f"scales d {d.dtype} / m {None if m is None else m.dtype}: each is bf16, fp16 or fp32 "
+                             "(or uint8 with d2 and m2)")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.exact_top = 0              # the native head recomputes its best rows in float (as _FormatLinear)
         self.zero_code = zero_code
@@ -186,7 +188,7 @@ class PackedLinear(nn.Module):
 
     def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d +
-        offset (an fp16/fp32 product and sum; `offset_of`)."""
+        offset (an fp16/fp32 product and sum; `offset_of`), or (code - 32) * d for 6-bit codes (`values`)."""
         k, end = self.in_features, self.out_features if end is None else end
         tiles = self.out_features // TILE
         n, t0, t1 = end - first, first // TILE, end // TILE
