@@ -56,8 +56,8 @@ class Row(ctypes.Structure):
 
 def mat_args(mat: dict, hold) -> MatArgs:
     """A matrix as decoder.py describes it ({"codes", "d", "m", "bias", "d2", "m2", "zero", "dims":
-    (rows, cols, bits)}; m absent or None: not stored; d2 / m2 only with uint8 d / m; hold(tensor) ->
-    its address, kept alive)."""
+    (rows, cols, bits)}; m absent or None: not stored; d2 / m2 only with uint8 / int8 d, uint8 m;
+    hold(tensor) -> its address, kept alive)."""
     ptrs = [hold(mat[key]) if mat.get(key) is not None else 0 for key in ("codes", "d", "m", "bias", "d2", "m2")]
     d_type = SCALE_TYPES[mat["d"].dtype] if mat.get("d") is not None else 2
     m_type = SCALE_TYPES[mat["m"].dtype] if mat.get("m") is not None else NO_M

@@ -66,7 +66,8 @@ struct QMat {                // weight [rows, cols] in tiles of 16 rows x blocks
   const void* d;             // d_type [tiles][blocks][16]: code scale
   const void* m;             // m_type [tiles][blocks][16] or null: with `zero`, the value of code 0 is m - zero * d
   const float* bias;         // [rows] or null
-  const uint16_t* d2;        // S_U8 d / m: float16 [tiles][blocks / 8][16], the super-block scales (else null)
+  const uint16_t* d2;        // S_U8 d and m, S_I8 d: float16 [tiles][blocks / 8][16], their super-block scales
+                             // (else null)
   const uint16_t* m2;
   int rows, cols, bits;
   int d_type, m_type;        // ScaleType: d bf16 / fp16 / fp32, m bf16 / fp16 / fp32 / none
@@ -2285,7 +2286,7 @@ struct MatArgs {             // one matrix (QMat); rows 0: absent (stacked into 
   const void* d;
   const void* m;
   const float* bias;
-  const uint16_t* d2;        // S_U8 d / m: their float16 super-block scales (see QMat), else null
+  const uint16_t* d2;        // S_U8 d and m, S_I8 d: their float16 super-block scales (see QMat), else null
   const uint16_t* m2;
   int32_t rows, cols, bits, d_type, m_type, zero;   // zero: see QMat
 };

@@ -105,10 +105,11 @@ def _drop_superseded(target: Path, gguf_path: Path) -> None:
     """Delete the other packed dirs of the same file (packed by an earlier PACK_VERSION, or before the
     file changed): nothing loads them again, and each is about the file's size. A process still
     mapping one keeps its pages until it exits (a deleted file stays readable while mapped)."""
-    source = gguf_path.resolve()
-    for other in target.parent.glob(f"{gguf_path.stem}-*"):
+    source, prefix = gguf_path.resolve(), f"{gguf_path.stem}-"
+    for other in target.parent.iterdir():
         try:
-            if other != target and is_packed_dir(other) and Path((other / COMPLETE).read_text()).resolve() == source:
+            if other != target and other.name.startswith(prefix) and is_packed_dir(other) \
+                    and Path((other / COMPLETE).read_text()).resolve() == source:
                 shutil.rmtree(other, ignore_errors=True)
                 log.info("removed %s, a superseded pack of %s", other, gguf_path)
         except OSError:                                 # another process removed it first
