@@ -59,7 +59,7 @@ def test_untied_head_and_k_quants(tmp_path):
     write_model(path, "llama", Q.Q4_K, head=Q.Q5_K, embed=Q.Q8_0, tied=False)
     packed, ours, reference = _both(path)
     assert packed.lm_head is not packed.model.embed_tokens.table
-    assert packed.lm_head.bits == 8 and packed.lm_head.d.dtype == torch.uint8 and packed.lm_head.d2.dtype == torch.float16
+    assert packed.lm_head.bits == 6 and packed.lm_head.d.dtype == torch.uint8 and packed.lm_head.d2.dtype == torch.float16
     assert torch.equal(ours, reference)
 
 

@@ -226,10 +226,12 @@ def test_a_tied_packed_embedding_is_decoded_natively_with_its_numbers(head, zero
                 decoder._embed([model.lm_head.out_features])
 
 
-def k_quant_linear(linear: nn.Linear, bits: int, two_level: bool = True) -> PackedLinear:
-    """`linear` quantized as Q4_K / Q5_K store it: per block of 32 a 6-bit scale and minimum, per
-    super-block of 256 a float16 d and dmin (w = d * sc * code - dmin * mn). two_level: kept as
-    stored (uint8 d and m, float16 d2 and m2); else as their float32 products."""
+def k_quant_linear(linear: nn.Linear, bits: int, two_level: bool = True, layout: int | None = None) -> PackedLinear:
+    """`linear` quantized as Q4_K / Q5_K store it (`bits`-bit codes): per block of 32 a 6-bit scale and
+    minimum, per super-block of 256 a float16 d and dmin (w = d * sc * code - dmin * mn). two_level:
+    kept as stored (uint8 d and m, float16 d2 and m2); else as their float32 products. layout: the
+    packed code width (default: 4-bit codes in 4, 5-bit in 6, as gguf_repack packs them)."""
+    layout = layout or {4: 4, 5: 6}.get(bits, bits)
     from kvboost_engine.weights.packed import tile_scales
     w = linear.weight.detach().float()
     n, k = w.shape
@@ -243,21 +245,23 @@ def k_quant_linear(linear: nn.Linear, bits: int, two_level: bool = True) -> Pack
     step, floor = d.repeat_interleave(8, 1) * sc, dmin.repeat_interleave(8, 1) * mn
     codes = ((blocks + floor[..., None]) / step[..., None]).round().clamp(0, 2 ** bits - 1).to(torch.uint8).view(n, k)
     if not two_level:
-        packed = pack_codes(codes, step, -floor, bits, F32, F32)
-        return PackedLinear(packed["codes"], packed["d"], packed["m"], bits, n, k, linear.bias)
-    packed = pack_codes(codes, sc, mn, bits, torch.uint8, torch.uint8)
-    return PackedLinear(packed["codes"], packed["d"], packed["m"], bits, n, k, linear.bias,
+        packed = pack_codes(codes, step, -floor, layout, F32, F32)
+        return PackedLinear(packed["codes"], packed["d"], packed["m"], layout, n, k, linear.bias)
+    packed = pack_codes(codes, sc, mn, layout, torch.uint8, torch.uint8)
+    return PackedLinear(packed["codes"], packed["d"], packed["m"], layout, n, k, linear.bias,
                         d2=tile_scales(d, F16), m2=tile_scales(-dmin, F16))
 
 
-def _k_quant_model(two_level: bool, tied: bool = False):
+def _k_quant_model(two_level: bool, tied: bool = False, five: int = 6):
+    """Layers alternately Q4_K and Q5_K (the 5-bit codes packed `five` bits wide), the head Q5_K."""
     model = tiny_model("llama", seed=9, hidden_size=256, intermediate_size=512, tie_word_embeddings=tied)
     for i, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, k_quant_linear(child, 4 if i % 2 == 0 else 8, two_level))
-    model.lm_head = k_quant_linear(model.lm_head, 8, two_level)
+                    setattr(parent, name, k_quant_linear(child, 4, two_level) if i % 2 == 0
+                            else k_quant_linear(child, 5, two_level, five))
+    model.lm_head = k_quant_linear(model.lm_head, 5, two_level, five)
     return model
 
 
@@ -274,7 +278,11 @@ def test_k_quant_two_level_scales_give_the_numbers_of_their_float32_products():
         assert torch.equal(a.dequantized(), b.dequantized())
         assert torch.equal(a.dequantized(16, 48), b.dequantized(16, 48))
     assert weights_kind(ModelAdapter(two)) == "packed"
-    assert all(torch.equal(x, y) for x, y in zip(_native_logits(two), _native_logits(flat)))
+    native = _native_logits(two)
+    assert all(torch.equal(x, y) for x, y in zip(native, _native_logits(flat)))
+    # 5-bit codes in the 6-bit layout: the integer sums, so the numbers, of the 8-bit layout
+    assert two.lm_head.bits == 6
+    assert all(torch.equal(x, y) for x, y in zip(native, _native_logits(_k_quant_model(True, five=8))))
     for want, got in _decode_both(two, _paged)[0]:
         assert ((got - want).norm() / want.norm()).item() < 0.015
     two.model.embed_tokens = PackedEmbedding(two.lm_head)

@@ -66,8 +66,8 @@ def mat_args(mat: dict, hold) -> MatArgs:
         two_level = mat.get(scale) is not None and mat[scale].dtype in (torch.uint8, torch.int8)
         if two_level != (mat.get(whole) is not None):
             raise ValueError(f"uint8 / int8 {scale} goes with its float16 super-block scales {whole}, and only it")
-    if (d_type == 5) != (mat["dims"][2] == 6) or (d_type == 5 and (m_type != NO_M or zero != 32)):
-        raise ValueError("6-bit codes take int8 d (a scale per 16 columns), no m and zero code 32")
+    if d_type == 5 and (mat["dims"][2] != 6 or m_type != NO_M or zero != 32):
+        raise ValueError("int8 d (Q6_K: a scale per 16 columns) takes 6-bit codes, no m and zero code 32")
     if (d_type == 4) != (m_type == 4) or (d_type == 4 and mat["dims"][1] % (8 * 32)):
         raise ValueError("uint8 d and uint8 m go together, over columns in whole super-blocks of 256")
     if mat["dims"][2] in (4, 6, 8) and mat.get("m") is None and (zero <= 0 or zero & (zero - 1)):

@@ -6,7 +6,8 @@
 // any row attends, each up to its own position). Every matrix product reads 4- or 8-bit weight
 // codes once for all rows and multiplies them with each row's activation quantized to int8 per
 // block of 32 (integer dot products), then scales each block: y[n] += d[n,b] * dx[b] * sum(code * xq) + m[n,b] * dx[b] * sum(xq),
-// (6-bit codes, GGUF Q6_K: a scale per 16 columns, y[n] += d[n,g] * dx[b] * sum over g of (code - 32) * xq),
+// (6-bit codes hold 5-bit ones, GGUF Q5_0 / Q5_1 / Q5_K, scaled so, and Q6_K: a scale per 16 columns,
+// y[n] += d[n,g] * dx[b] * sum over g of (code - 32) * xq),
 // where a weight decodes to code * d + m (d bf16 / fp16 / fp32). m is stored (bf16 / fp16 / fp32) or
 // derived from d: m = stored - zero * d, or -zero * d with nothing stored (Q4_0's m = -8 d): a
 // matrix then reads 4 or 8 bits per weight and its d only (a tenth fewer bytes). Float32 weights
@@ -254,20 +255,22 @@ inline void six_bit_chunks(const uint8_t* wp, __m512i* v) {
 }
 
 // sa[r], sb[r] = za[r] + sum(code * x) over columns 0-15, zb[r] + the sum over 16-31, of one (tile,
-// block) of 6-bit codes (a scale per 16 columns): as dot_block
-template <int R>
+// block) of 6-bit codes (a scale per 16 columns): as dot_block. JOIN (one scale per 32 columns: 5-bit
+// codes in the 6-bit layout): sa[r] = za[r] + the sum over all 32, sb unused.
+template <int R, bool JOIN = false>
 inline void dot_block6(const uint8_t* wp, int /*half*/, const int32_t* const* xb, const int32_t* za,
                        const int32_t* zb, vi* sa, vi* sb) {
   __m512i v[8];
   six_bit_chunks(wp, v);
   for (int r = 0; r < R; ++r) {
     sa[r] = _mm512_set1_epi32(za[r]);
-    sb[r] = _mm512_set1_epi32(zb[r]);
+    if constexpr (!JOIN) sb[r] = _mm512_set1_epi32(zb[r]);
   }
   for (int j = 0; j < 4; ++j)
     for (int r = 0; r < R; ++r) sa[r] = _mm512_dpbusd_epi32(sa[r], v[j], _mm512_set1_epi32(xb[r][j]));
+  vi* second = JOIN ? sa : sb;
   for (int j = 4; j < 8; ++j)
-    for (int r = 0; r < R; ++r) sb[r] = _mm512_dpbusd_epi32(sb[r], v[j], _mm512_set1_epi32(xb[r][j]));
+    for (int r = 0; r < R; ++r) second[r] = _mm512_dpbusd_epi32(second[r], v[j], _mm512_set1_epi32(xb[r][j]));
 }
 
 // Activation x [cols] -> int8 codes per block of 32 (round to nearest), block scale dx, dx * sum(codes)
@@ -488,7 +491,7 @@ inline void six_bit_chunks(const uint8_t* wp, int half, __m256i* v) {
 
 // sa[r], sb[r] = za[r], zb[r] + sum(code * x) over columns 0-15, 16-31 (see the AVX-512 one). AVX2:
 // two chunks' maddubs pairs added in int16 (|sum| <= 2 * 2 * 63 * 128 = 32256 < 32768), then widened.
-template <int R>
+template <int R, bool JOIN = false>
 inline void dot_block6(const uint8_t* wp, int half, const int32_t* const* xb, const int32_t* za,
                        const int32_t* zb, vi* sa, vi* sb) {
   __m256i v[8];
@@ -496,12 +499,13 @@ inline void dot_block6(const uint8_t* wp, int half, const int32_t* const* xb, co
 #if defined(KVB_ISA_AVXVNNI)
   for (int r = 0; r < R; ++r) {
     sa[r] = _mm256_set1_epi32(za[r]);
-    sb[r] = _mm256_set1_epi32(zb[r]);
+    if constexpr (!JOIN) sb[r] = _mm256_set1_epi32(zb[r]);
   }
   for (int j = 0; j < 4; ++j)
     for (int r = 0; r < R; ++r) sa[r] = _mm256_dpbusd_avx_epi32(sa[r], v[j], _mm256_set1_epi32(xb[r][j]));
+  vi* second = JOIN ? sa : sb;
   for (int j = 4; j < 8; ++j)
-    for (int r = 0; r < R; ++r) sb[r] = _mm256_dpbusd_avx_epi32(sb[r], v[j], _mm256_set1_epi32(xb[r][j]));
+    for (int r = 0; r < R; ++r) second[r] = _mm256_dpbusd_avx_epi32(second[r], v[j], _mm256_set1_epi32(xb[r][j]));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   auto pair = [&](int r, int j) {          // chunks j, j + 1 of row r: int16 pair sums, then int32
@@ -510,7 +514,8 @@ inline void dot_block6(const uint8_t* wp, int half, const int32_t* const* xb, co
   };
   for (int r = 0; r < R; ++r) {
     sa[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(za[r]), pair(r, 0)), pair(r, 2));
-    sb[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(zb[r]), pair(r, 4)), pair(r, 6));
+    if constexpr (JOIN) sa[r] = _mm256_add_epi32(_mm256_add_epi32(sa[r], pair(r, 4)), pair(r, 6));
+    else sb[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(zb[r]), pair(r, 4)), pair(r, 6));
   }
 #endif
 }
@@ -683,8 +688,9 @@ struct Acts {
 // Tile t of W times R rows of activations (rows r0 .. r0 + R): each block of the tile's weights is
 // loaded (and its nibbles split) once for the R rows, while every row's arithmetic is exactly that of
 // R = 1 (the same integer sums, the same order of float additions), so a row's numbers do not
-// depend on the rows beside it. DT, MT: the element types of d and m; BITS: 4, 6 or 8 (6: DT S_I8, a
-// scale per 16 columns, MT S_NONE: code 32 is 0, its sums subtracted in integers).
+// depend on the rows beside it. DT, MT: the element types of d and m; BITS: 4, 6 or 8 (6 with DT S_I8:
+// Q6_K, a scale per 16 columns, MT S_NONE: code 32 is 0, its sums subtracted in integers; 6 with the
+// other types: 5-bit codes, scaled per block as 4- and 8-bit ones).
 template <int BITS>
 constexpr size_t BLOCK_BYTES = BITS == 4 ? 256 : BITS == 6 ? 384 : 512;
 
@@ -703,7 +709,7 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
     xw[r] = reinterpret_cast<const int32_t*>(a.xq + static_cast<size_t>(r0 + r) * a.xq_stride);
     dx[r] = a.dx + static_cast<size_t>(r0 + r) * a.s_stride;
     sx[r] = a.sx + static_cast<size_t>(r0 + r) * a.s_stride;
-    hs[r] = BITS == 6 ? a.hs + static_cast<size_t>(r0 + r) * 2 * a.s_stride : nullptr;
+    hs[r] = DT == S_I8 ? a.hs + static_cast<size_t>(r0 + r) * 2 * a.s_stride : nullptr;
   }
   const vf zero = vset1(w.zero), neg_zero = vset1(-w.zero);
   for (int h = 0; h < HALVES; ++h) {         // one output vector (VW rows of the tile) at a time
@@ -720,7 +726,7 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
       for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
       for (int r = 0; r < R; ++r) xb[r] = xw[r] + b * (BLOCK / 4);
       const size_t i2 = sp2 + (b / 8) * TILE + h * VW;
-      if constexpr (BITS == 6) {
+      if constexpr (BITS == 6 && DT == S_I8) {
         // each half's sum of (code - 32) * xq in integers (started at -32 sum(xq)), then
         // (da * ta + db * tb) * dx
         vi sb[R];
@@ -737,7 +743,12 @@ void tile_rows(const QMat& w, const Acts& a, int r0, float* y, int y_stride, int
         for (int r = 0; r < R; ++r)
           acc[r] = vfma(vfma(vcvt(sb[r]), db, vmul(vcvt(s[r]), da)), vset1(dx[r][b]), acc[r]);
       } else {
-        dot_block<BITS, R>(wb, h, xb, s);
+        if constexpr (BITS == 6) {                     // 5-bit codes in the 6-bit layout: one scale per block
+          const int32_t none[R] = {};
+          dot_block6<R, true>(wb, h, xb, none, none, s, nullptr);
+        } else {
+          dot_block<BITS, R>(wb, h, xb, s);
+        }
         const vf dv = load_scales<DT>(w.d, sp + b * TILE + h * VW, w.d2, i2);
         vf mv;                                   // code 0's value: m - zero * d (each product exact)
         if constexpr (MT == S_NONE) mv = vmul(dv, neg_zero);
@@ -780,6 +791,7 @@ void gemm_t(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0,
 template <int DT, int MT>
 void gemm_bits(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, int t1) {
   if (w.bits == 4) gemm_t<DT, MT, 4>(w, a, M, y, y_stride, t0, t1);
+  else if (w.bits == 6) gemm_t<DT, MT, 6>(w, a, M, y, y_stride, t0, t1);
   else gemm_t<DT, MT, 8>(w, a, M, y, y_stride, t0, t1);
 }
 
@@ -790,7 +802,7 @@ void gemm(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0, i
     case DT * 4 + S_F32: return gemm_bits<DT, S_F32>(w, a, M, y, y_stride, t0, t1);   \
     case DT * 4 + S_NONE: return gemm_bits<DT, S_NONE>(w, a, M, y, y_stride, t0, t1);
   if (w.d_type == S_U8 && w.m_type == S_U8) return gemm_bits<S_U8, S_U8>(w, a, M, y, y_stride, t0, t1);
-  if (w.bits == 6) return gemm_t<S_I8, S_NONE, 6>(w, a, M, y, y_stride, t0, t1);
+  if (w.d_type == S_I8) return gemm_t<S_I8, S_NONE, 6>(w, a, M, y, y_stride, t0, t1);
   switch (w.d_type * 4 + w.m_type) {
     KVB_M_TYPES(S_BF16)
     KVB_M_TYPES(S_F16)
@@ -882,10 +894,10 @@ inline int code_at(const QMat& w, const uint8_t* wp, int r, int c) {
 inline size_t block_bytes_of(const QMat& w) { return w.bits == 4 ? 256 : w.bits == 6 ? 384 : 512; }
 
 // The weight at row r, column c of block b of tile t (wp: that block's codes) as packed.py decodes it:
-// code * d + (m - zero * d); 6-bit codes (Q6_K) (code - zero) * d, gguf's own one rounding.
+// code * d + (m - zero * d); Q6_K (S_I8) (code - zero) * d, gguf's own one rounding.
 inline float weight_at(const QMat& w, const uint8_t* wp, size_t t, int b, int r, int c) {
   const float d = d_at(w, t, b, r, c);
-  if (w.bits == 6) return static_cast<float>(code_at(w, wp, r, c) - static_cast<int>(w.zero)) * d;
+  if (w.d_type == S_I8) return static_cast<float>(code_at(w, wp, r, c) - static_cast<int>(w.zero)) * d;
   return static_cast<float>(code_at(w, wp, r, c)) * d + (m_at(w, t, b, r) - w.zero * d);
 }
 
@@ -1755,9 +1767,9 @@ struct Decoder {
   Team team;
   std::mutex busy;
   // scratch, per row: x [hidden], h [hw], qkv [qkv_w], attn [q_rows], mlp [2 inter], act [inter],
-  // xq [xq_w], dx / sx [s_w], hs [2 s_w] (where some matrix has 6-bit codes: six_bit)
+  // xq [xq_w], dx / sx [s_w], hs [2 s_w] (where some matrix is Q6_K, a scale per 16 columns: half_sums)
   int hw = 0, qkv_w = 0, q_rows = 0, xq_w = 0, s_w = 0, capacity = 0;
-  bool six_bit = false;
+  bool half_sums = false;
   std::vector<float> x, h, qkv, attn, mlp, act, dx, sx;
   std::vector<int32_t> hs;
   std::vector<int8_t> xq;
@@ -1782,7 +1794,7 @@ struct Decoder {
     mlp.resize(static_cast<size_t>(M) * 2 * inter); act.resize(static_cast<size_t>(M) * inter);
     xq.resize(static_cast<size_t>(M) * xq_w);
     dx.resize(static_cast<size_t>(M) * s_w); sx.resize(static_cast<size_t>(M) * s_w);
-    if (six_bit) hs.resize(static_cast<size_t>(M) * 2 * s_w);
+    if (half_sums) hs.resize(static_cast<size_t>(M) * 2 * s_w);
     if (i8_queries) {
       q_words.resize(static_cast<size_t>(M) * (q_rows / 4) * I8_PARTS);
       q_scale.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
@@ -1832,7 +1844,7 @@ struct Decoder {
   void quantize_row(const float* src, int stride, int cols, int r) {
     if (quantized) quantize(src + static_cast<size_t>(r) * stride, cols, xq.data() + static_cast<size_t>(r) * xq_w,
                             dx.data() + static_cast<size_t>(r) * s_w, sx.data() + static_cast<size_t>(r) * s_w,
-                            six_bit ? hs.data() + static_cast<size_t>(r) * 2 * s_w : nullptr);
+                            half_sums ? hs.data() + static_cast<size_t>(r) * 2 * s_w : nullptr);
   }
 
   // y[r] = W x[r] for the M rows, this thread's share of W's rows; x: the float rows (their
@@ -2357,9 +2369,9 @@ void* kvb_decoder_new(const ModelArgs* args) {
     for (const QMat& m : {L.o, L.down}) if (m.bits != 32) dec->quantized = true;
     for (const QMat& m : L.qkv) if (m.bits != 32) dec->quantized = true;
     for (const QMat& m : L.gate_up) if (m.bits != 32) dec->quantized = true;
-    for (const QMat& m : {L.o, L.down}) if (m.bits == 6) dec->six_bit = true;
-    for (const QMat& m : L.qkv) if (m.bits == 6) dec->six_bit = true;
-    for (const QMat& m : L.gate_up) if (m.bits == 6) dec->six_bit = true;
+    for (const QMat& m : {L.o, L.down}) if (m.d_type == S_I8) dec->half_sums = true;
+    for (const QMat& m : L.qkv) if (m.d_type == S_I8) dec->half_sums = true;
+    for (const QMat& m : L.gate_up) if (m.d_type == S_I8) dec->half_sums = true;
     L.window = static_cast<int>(a.window);
     dec->stack.push_back(L);
   }
@@ -2367,7 +2379,7 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->final_norm = args->final_norm;
   dec->head = qmat(args->head);
   if (dec->head.bits != 32) dec->quantized = true;
-  if (dec->head.bits == 6) dec->six_bit = true;
+  if (dec->head.bits != 32 && dec->head.d_type == S_I8) dec->half_sums = true;
   if (dec->head.bits == 32) dec->exact_top = 0;         // float logits need no recomputation
   dec->i8_queries = dec->kv_type == KV_I8 && dec->quantized && dec->head_dim <= MAX_I8_HEAD_DIM;
   const int q_rows = dec->heads * dec->head_dim, kv_rows = dec->kv_heads * dec->head_dim;

@@ -2,10 +2,12 @@
 
 Exact (the packed weight decodes to the `gguf` package's dequantization bit for bit):
 - Q4_0, Q4_1 -> 4-bit codes, d and m in float16 (Q4_0: m = -8 d; Q4_1: the file's m)
-- Q5_0, Q5_1, Q8_0 -> 8-bit codes 0..31 / 0..255, d and m in float16 (m = -16 d, the file's m, -128 d)
-- Q4_K -> 4-bit codes, Q5_K -> 8-bit codes, with the two levels of scales kept: the 6-bit sub-block
-  scale and minimum as uint8 d and m, the super-block's d and -dmin in float16 as d2 and m2 (each
-  product, an fp16 times a 6-bit integer, is exact in float32: the file's d * sc and -(dmin * mn))
+- Q5_0, Q5_1 -> 5-bit codes 0..31 in the 6-bit layout, Q8_0 -> 8-bit codes 0..255, d and m in float16
+  (m = -16 d, the file's m, -128 d)
+- Q4_K -> 4-bit codes, Q5_K -> 5-bit codes in the 6-bit layout, with the two levels of scales kept:
+  the 6-bit sub-block scale and minimum as uint8 d and m, the super-block's d and -dmin in float16 as
+  d2 and m2 (each product, an fp16 times a 6-bit integer, is exact in float32: the file's d * sc and
+  -(dmin * mn))
 - Q6_K -> 6-bit codes (the kernel's 6-bit layout), its int8 scales per 16 values as d and the
   super-block's fp16 d as d2; a weight is (code - 32) * (d * d2), the reference's own expression
 Each product and sum is exact in float32 (codes of at most 8 bits times an 11-bit mantissa), so
@@ -29,8 +31,8 @@ from ..errors import UnsupportedModelError
 from .gguf_blocks import GGUFTensor, blocks, dequantize
 from .packed import BLOCK, TILE, pack_codes, tile_scales
 
-_HALF = {"Q4_0": (4, 8), "Q4_1": (4, None), "Q5_0": (8, 16), "Q5_1": (8, None), "Q8_0": (8, 128)}
-_K = {"Q4_K": 4, "Q5_K": 8}
+_HALF = {"Q4_0": (4, 8), "Q4_1": (4, None), "Q5_0": (6, 16), "Q5_1": (6, None), "Q8_0": (8, 128)}
+_K = {"Q4_K": 4, "Q5_K": 6}                # 5-bit codes in the kernel's 6-bit layout
 SIX_BIT = "Q6_K"
 REQUANTIZED = ("F32", "F16", "BF16")
 

@@ -14,7 +14,8 @@ float16 super-block scale and minus the super-block minimum, one per 8 blocks; d
 exact in float32, are the file's d * sc and -(dmin * mn) (4.6 bits a weight read, not 6 as float32
 products). Q6_K keeps its 6-bit codes (the low 4 bits as 4-bit codes, the high 2 in two planes
 after them), its int8 scale per 16 columns as d and its float16 super-block scale as d2: a weight
-is (code - 32) * (d * d2), gguf's own expression (6.56 bits a weight, as the file).
+is (code - 32) * (d * d2), gguf's own expression (6.56 bits a weight, as the file). The 5-bit codes
+of Q5_0, Q5_1 and Q5_K take the same 6-bit layout with their own scales per block.
 
 The PyTorch path (prefill until the native kernel family takes it, CPUs without the native step)
 dequantizes a layer's weight per forward (`dequantized`): a transient float copy of one matrix,
@@ -92,8 +93,9 @@ class PackedLinear(nn.Module):
         m_code: m is the value of this code (a power of two; 0: of code 0), so m may be stored in
         bf16 (weights="int4": the quantizer's own bf16 zero, half the bytes of a float32 offset).
         d2, m2: with uint8 d and m (K-quants), their float16 super-block scales [tiles, blocks / 8,
-        16] (module docstring). 6-bit codes (Q6_K): int8 d [tiles, 2 blocks, 16], float16 d2, no m,
-        zero_code 32. m may be None wherever zero_code gives it."""
+        16] (module docstring). Q6_K: 6-bit codes, int8 d [tiles, 2 blocks, 16], float16 d2, no m,
+        zero_code 32; 6-bit codes with any other d hold 5-bit ones (Q5_0, Q5_1, Q5_K), scaled per
+        block. m may be None wherever zero_code gives it."""
         super().__init__()
         for name, code in (("zero_code", zero_code), ("m_code", m_code or None)):
             if code is not None and (code <= 0 or code & (code - 1)):
@@ -105,10 +107,10 @@ class PackedLinear(nn.Module):
                              f"{BLOCK}; got {bits} bits, [{out_features}, {in_features}]")
         if m is None and zero_code is None:
             raise ValueError("a packed weight without m needs the zero_code that gives it")
-        if bits == 6 or d.dtype == torch.int8:
-            if bits != 6 or d.dtype != torch.int8 or m is not None or zero_code != 32 or d2 is None \
+        if d.dtype == torch.int8:
+            if bits != 6 or m is not None or zero_code != 32 or d2 is None \
                     or d2.dtype != torch.float16 or m2 is not None or in_features % (BLOCK * SUPER):
-                raise ValueError("6-bit codes (Q6_K) take int8 d, float16 d2, no m and zero_code 32, over columns "
+                raise ValueError("int8 d (Q6_K) takes 6-bit codes, float16 d2, no m and zero_code 32, over columns "
                                  f"in whole super-blocks of {BLOCK * SUPER}")
         elif d.dtype == torch.uint8:
             if m.dtype != torch.uint8 or d2 is None or m2 is None or d2.dtype != torch.float16 \
@@ -133,7 +135,7 @@ class PackedLinear(nn.Module):
 
     def scales(self, tiles, row=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 d and m of `tiles` (an index or slice of tiles): [.., groups, 16]; or of row `row` of
-        each (an index, as `tiles`): [.., groups] (a group: a block of 32 columns, 16 for 6-bit codes).
+        each (an index, as `tiles`): [.., groups] (a group: a block of 32 columns, 16 for Q6_K).
         Two-level scales multiplied out (exact products); m derived where it is not stored."""
         blocks = self.in_features // BLOCK
         groups = self.in_features // self.group
@@ -155,14 +157,14 @@ class PackedLinear(nn.Module):
 
     @property
     def group(self) -> int:
-        """Columns sharing one d: 32, or 16 for 6-bit codes (Q6_K)."""
-        return 16 if self.bits == 6 else BLOCK
+        """Columns sharing one d: 32, or 16 for Q6_K (int8 d)."""
+        return 16 if self.d.dtype == torch.int8 else BLOCK
 
     def values(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """Weights from codes [.., K] and their groups' float32 d and m [.., K / group]: code * d + offset
-        (an exact product and one rounding; `offset_of`), or for 6-bit codes (code - zero) * d (gguf's)."""
+        (an exact product and one rounding; `offset_of`), or for Q6_K (code - zero) * d (gguf's)."""
         c = codes.view(*codes.shape[:-1], -1, self.group).float()
-        if self.bits == 6:
+        if self.d.dtype == torch.int8:
             return ((c - self.zero_code) * d[..., None]).flatten(-2)
         return torch.addcmul(self.offset_of(m, d)[..., None], c, d[..., None]).flatten(-2)
 
@@ -188,7 +190,7 @@ class PackedLinear(nn.Module):
 
     def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows first..end (multiples of 16; default all) as float32 [rows, K]: exactly code * d +
-        offset (an fp16/fp32 product and sum; `offset_of`), or (code - 32) * d for 6-bit codes (`values`)."""
+        offset (an fp16/fp32 product and sum; `offset_of`), or (code - 32) * d for Q6_K (`values`)."""
         k, end = self.in_features, self.out_features if end is None else end
         tiles = self.out_features // TILE
         n, t0, t1 = end - first, first // TILE, end // TILE
