@@ -22,7 +22,7 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
 Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked), or
 on the file of `--llama-format` (q4_k_m: the same Q4_K_M file as ours, which llama.cpp also repacks):
   python -m benchmarks.micro.native_steps --model 1.7b --config q4_k_m --llama-format q4_k_m \
-      --depths 0,512 --out benchmarks/results/native_steps_1p7b_q4km.json
+      --depths 0,512 --rounds 5 --out benchmarks/results/native_steps_1p7b_q4km_rounds_zen4.json
 
 Ours:
   prefill_tok_s    a `--prefill-tokens` prompt (evaluation text) on an engine with cache_bytes=0 over the
