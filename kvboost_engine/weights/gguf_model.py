@@ -45,7 +45,7 @@ PACK_VERSION = "gguf-pack-3"   # 3: K-quants keep two-level scales, Q6_K 6-bit (
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")   # the native step runs them as stored (decoder.py)
 FLOAT_LOAD_PEAK = 2            # a GGUF dequantized to float32 peaks at about twice the float model while converting
-REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes (Q4_K 1.03, Q6_K 1.0; a file all Q5_0, 8.5 bits for 5.5, passes it)
+REPACK_GROWTH = 1.4            # packed bytes / GGUF bytes at most (about 1.2: Q5_0 / Q5_K's 5-bit codes in 6 bits)
 EXACT_TOP = 8                   # head rows whose logits the native step recomputes in float (as weights="int4")
 DATA, INDEX, COMPLETE = "weights.bin", "weights.json", ".kvboost-complete"
 EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
