@@ -893,12 +893,19 @@ inline int code_at(const QMat& w, const uint8_t* wp, int r, int c) {
 
 inline size_t block_bytes_of(const QMat& w) { return w.bits == 4 ? 256 : w.bits == 6 ? 384 : 512; }
 
-// The weight at row r, column c of block b of tile t (wp: that block's codes) as packed.py decodes it:
-// code * d + (m - zero * d); Q6_K (S_I8) (code - zero) * d, gguf's own one rounding.
-inline float weight_at(const QMat& w, const uint8_t* wp, size_t t, int b, int r, int c) {
-  const float d = d_at(w, t, b, r, c);
-  if (w.d_type == S_I8) return static_cast<float>(code_at(w, wp, r, c) - static_cast<int>(w.zero)) * d;
-  return static_cast<float>(code_at(w, wp, r, c)) * d + (m_at(w, t, b, r) - w.zero * d);
+// Row r's 32 weights of block b of tile t (wp: that block's codes) as packed.py decodes them, into
+// out: code * d + (m - zero * d); Q6_K (S_I8, a d per 16 columns) (code - zero) * d, gguf's own one
+// rounding. d and m are read once per group of columns.
+inline void block_weights(const QMat& w, const uint8_t* wp, size_t t, int b, int r, float* out) {
+  if (w.d_type == S_I8) {
+    for (int g = 0; g < BLOCK; g += 16) {
+      const float d = d_at(w, t, b, r, g);
+      for (int c = g; c < g + 16; ++c) out[c] = static_cast<float>(code_at(w, wp, r, c) - static_cast<int>(w.zero)) * d;
+    }
+    return;
+  }
+  const float d = d_at(w, t, b, r), m = m_at(w, t, b, r) - w.zero * d;
+  for (int c = 0; c < BLOCK; ++c) out[c] = static_cast<float>(code_at(w, wp, r, c)) * d + m;
 }
 
 // Row n of W decoded to floats, dotted with float x (the exact recomputation of the best logits).
@@ -907,14 +914,14 @@ float exact_row(const QMat& w, int n, const float* x) {
   const size_t block_bytes = block_bytes_of(w);
   double total = 0.0;
   for (int b = 0; b < blocks; ++b) {
-    const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
-    for (int c = 0; c < BLOCK; ++c)
-      total += static_cast<double>(weight_at(w, wp, t, b, r, c)) * x[b * BLOCK + c];
+    float weights[BLOCK];
+    block_weights(w, w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes, t, b, r, weights);
+    for (int c = 0; c < BLOCK; ++c) total += static_cast<double>(weights[c]) * x[b * BLOCK + c];
   }
   return static_cast<float>(total + (w.bias ? w.bias[n] : 0.f));
 }
 
-// Rows ids[0 .. M) of a 4-, 6- or 8-bit W decoded to floats into x [M, cols] (weight_at), as
+// Rows ids[0 .. M) of a 4-, 6- or 8-bit W decoded to floats into x [M, cols] (block_weights), as
 // weights/packed.py's PackedEmbedding decodes them (the input embedding of a model whose packed head
 // is its embedding table). With d in bf16 / fp16 (or S_U8: a 6-bit integer times a float16) the
 // product code * d is exact in float32, so the one rounding is the sum's, contracted into an FMA or
@@ -927,10 +934,8 @@ void decode_rows_of(const QMat& w, const int64_t* ids, int M, float* x) {
     const int64_t t = n / TILE;
     const int r = static_cast<int>(n % TILE);
     float* out = x + static_cast<size_t>(i) * w.cols;
-    for (int b = 0; b < blocks; ++b) {
-      const uint8_t* wp = w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes;
-      for (int c = 0; c < BLOCK; ++c) out[b * BLOCK + c] = weight_at(w, wp, t, b, r, c);
-    }
+    for (int b = 0; b < blocks; ++b)
+      block_weights(w, w.codes + (static_cast<size_t>(t) * blocks + b) * block_bytes, t, b, r, out + b * BLOCK);
   }
 }
 
