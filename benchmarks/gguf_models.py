@@ -11,6 +11,7 @@ llama-cpp-python 0.3.36 sdist).
   1.7b     random weights (seed 0) with SmolLM2-1.7B's config (speed and memory do not depend on
            the values), saved as bf16 safetensors with the default model's tokenizer (same
            vocabulary), converted to a BF16 GGUF, then quantized to Q4_0, Q4_1, Q4_K_M and Q8_0
+           (and Q5_K_M, built only where a benchmark names it: model_file("1.7b", "q5_k_m"))
   qwen3-1.7b  the same with Qwen3-1.7B's config (q/k norms, head_dim 128, 16 / 8 heads, its 151,936-row
            tied embedding; the default model's tokenizer, the vocabulary padded by llama.cpp's
            converter), Q4_0 only
@@ -41,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 STORED = ":stored"          # a format's file loaded with weights="gguf" (as stored whatever the architecture)
-GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
+GGUF_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q8_0": "Q8_0"}
 MODEL_FORMATS = {"default": ("q4_1", "q4_0", "q4_k_m", "q8_0", "hf-int4"),
                  "gemma3": ("q4_k_m", "q4_k_m:stored", "q4_0", "q4_1", "hf-int4"),
                  "1.7b": ("q4_0", "q4_1", "q4_k_m", "q8_0", "hf-int4"),

@@ -54,6 +54,29 @@ K8 = (8, F32, F32)            # Q5_K / Q6_K as 8-bit codes
 MIXED = [Q4_1, K4, K8, (4, BF16, F32), (8, BF16, F16), (4, F16, F32), (8, F32, F16)]
 
 
+def _prefill_equals_steps(model, kv_factory) -> None:
+    """A 40-token prompt prefilled natively in one chunk, in chunks of 5, 1, 23 and 11 rows, and token by
+    token: the last logits and the KV bit for bit (on 16-register variants a chunk of 16 rows or more
+    reads 6-bit codes expanded to bytes, a smaller one as stored)."""
+    from test_native_rows import _kv_state
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    prompt = PROMPT + PROMPT[::-1]
+    kv_whole, kv_chunks, kv_steps = (kv_factory(adapter) for _ in range(3))
+    with torch.inference_mode():
+        whole = decoder.prefill(kv_whole, prompt, 0)
+        for lo, hi in ((0, 5), (5, 6), (6, 29), (29, 40)):
+            chunked = decoder.prefill(kv_chunks, prompt[lo:hi], lo)
+        for p, t in enumerate(prompt):
+            stepped = decoder(kv_steps, t, p)
+    assert torch.equal(whole, chunked) and torch.equal(whole, stepped)
+    states = [_kv_state(kv, adapter, len(prompt)) for kv in (kv_whole, kv_chunks, kv_steps)]
+    assert all(torch.equal(x, y) for x, y in zip(states[0], states[1]))
+    assert all(torch.equal(x, y) for x, y in zip(states[0], states[2]))
+    decoder.close()
+
+
 def _decode_both(model, kv_factory, steps=10):
     adapter = ModelAdapter(model)
     forward = Forward(adapter)
@@ -285,6 +308,7 @@ def test_k_quant_two_level_scales_give_the_numbers_of_their_float32_products():
     assert all(torch.equal(x, y) for x, y in zip(native, _native_logits(_k_quant_model(True, five=8))))
     for want, got in _decode_both(two, _paged)[0]:
         assert ((got - want).norm() / want.norm()).item() < 0.015
+    _prefill_equals_steps(two, _paged)
     two.model.embed_tokens = PackedEmbedding(two.lm_head)
     decoder, reason = native_decoder(ModelAdapter(two), threads=2)
     assert decoder is not None and decoder._embed_native, reason
@@ -351,3 +375,4 @@ def test_six_bit_codes_decode_natively_like_the_pytorch_path(kv_factory):
                 decoder.prefill(kv, PROMPT[:n], 0)
         assert_rows_match_steps(decoder, serial, batch, lengths)
     decoder.close()
+    _prefill_equals_steps(model, kv_factory)

@@ -8,6 +8,8 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
   1.7b     q4_0    Engine.from_pretrained(<the random SmolLM2-1.7B-shape Q4_0 GGUF>)
            q4_k_m  Engine.from_pretrained(<its Q4_K_M GGUF>)   (Q4_K layers, Q6_K v / down / head: the file a
                    user most often has; only where --config names it)
+           q5_k_m  Engine.from_pretrained(<its Q5_K_M GGUF>)   (Q5_K layers, Q6_K v / down / head; only where
+                   --config names it, against --llama-format q5_k_m)
   qwen3-1.7b q4_0  Engine.from_pretrained(<the random Qwen3-1.7B-shape Q4_0 GGUF>)   (q/k norms, head_dim
                    128, a 151,936-row tied head; not in the default --model list)
   gemma3-1b q4_0   Engine.from_pretrained(<the random Gemma 3 1B-shape Q4_0 GGUF>)   (4 query heads over 1
@@ -20,7 +22,7 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
            q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; not in the default list)
            q4_0    Engine.from_pretrained(<that file requantized to Q4_0>)
 Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked), or
-on the file of `--llama-format` (q4_k_m: the same Q4_K_M file as ours, which llama.cpp also repacks):
+on the file of `--llama-format` (q4_k_m / q5_k_m: the same file as ours; llama.cpp repacks Q4_K, not Q5_K):
   python -m benchmarks.micro.native_steps --model 1.7b --config q4_k_m --llama-format q4_k_m \
       --depths 0,512 --rounds 5 --out benchmarks/results/native_steps_1p7b_q4km_rounds_zen4.json
 
@@ -73,10 +75,10 @@ from pathlib import Path
 from ..gguf_models import home, model_file, tools_dir
 from .gguf import PROMPT, _timed, _vm_kib
 
-CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0", "q4_k_m"), "qwen3-1.7b": ("q4_0",), "gemma3-1b": ("q4_0",),
+CONFIGS = {"default": ("fp32", "int4", "q4_0"), "1.7b": ("q4_0", "q4_k_m", "q5_k_m"), "qwen3-1.7b": ("q4_0",), "gemma3-1b": ("q4_0",),
            "llama3-8b": ("q4_0",),
            "gemma3": ("fp32", "int4", "q4_k_m", "q4_0")}
-NAMED_ONLY = {("1.7b", "q4_k_m")}              # run only where --config names them
+NAMED_ONLY = {("1.7b", "q4_k_m"), ("1.7b", "q5_k_m")}              # run only where --config names them
 
 
 def context_ids(tokenizer, n: int) -> list[int]:
@@ -246,7 +248,7 @@ def main(argv=None) -> None:
                         "-ctv; q8_0 with -fa on); our int8 KV rows compare with its q8_0 row where there is one")
     parser.add_argument("--llama-variant", default="", help="llama.cpp tools variant (avx2: the AVX2-only build)")
     parser.add_argument("--llama-format", default="q4_0", help="the model's file llama.cpp runs (q4_0: its best "
-                        "4-bit format here; q4_k_m: the Q4_K_M file, against our q4_k_m row)")
+                        "4-bit format here; q4_k_m / q5_k_m: that K-quant file, against our row of the same name)")
     parser.add_argument("--rounds", type=int, default=1, help="run every row this many times, ours and llama.cpp "
                         "alternating; the table gives median speeds and the median of each round's ratio (this "
                         "machine's speed drifts by 15-40 %% between processes minutes apart)")
