@@ -110,7 +110,7 @@ static Set make(int bits, int copies, bool huge) {
   for (size_t i = 0; i < scales * copies; ++i) { d[i] = 0x3c00 + (d[i] & 0xff); m[i] = 0xbc00 + (m[i] & 0xff); }
   Set s{{}, codes + scales * 2 * (bits == 4 ? 2 : 1), {c, d, m}};
   for (int i = 0; i < copies; ++i)
-    s.mats.push_back(QMat{c + codes * i, d + scales * i, bits == 4 ? m + scales * i : nullptr, nullptr, ROWS, COLS, bits,
+    s.mats.push_back(QMat{c + codes * i, d + scales * i, bits == 4 ? m + scales * i : nullptr, nullptr, nullptr, nullptr, ROWS, COLS, bits,
                           S_BF16, bits == 4 ? S_BF16 : S_NONE, bits == 4 ? 8.f : 128.f});
   return s;
 }
@@ -123,8 +123,8 @@ int main(int argc, char** argv) {
   srand(4);
   for (auto& v : x) v = rand() / static_cast<float>(RAND_MAX) - 0.5f;
   for (int r = 0; r < max_rows; ++r)
-    quantize(x.data() + r * COLS, COLS, xq.data() + r * COLS, dx.data() + r * COLS / BLOCK, sx.data() + r * COLS / BLOCK);
-  const Acts a{x.data(), xq.data(), dx.data(), sx.data(), COLS, COLS, COLS / BLOCK};
+    quantize(x.data() + r * COLS, COLS, xq.data() + r * COLS, dx.data() + r * COLS / BLOCK, sx.data() + r * COLS / BLOCK, nullptr);
+  const Acts a{x.data(), xq.data(), dx.data(), sx.data(), nullptr, COLS, COLS, COLS / BLOCK};
   const double rate = mac_rate(20000000L / VW);
   std::printf("{\"macs_per_s\": %.4g, \"vw\": %d, \"cases\": [", rate, VW);
   const char* memories[] = {"hot", "cold_4k", "cold_huge"};
