@@ -22,7 +22,8 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
            q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; not in the default list)
            q4_0    Engine.from_pretrained(<that file requantized to Q4_0>)
 Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked), or
-on the file of `--llama-format` (q4_k_m / q5_k_m: the same file as ours; llama.cpp repacks Q4_K, not Q5_K):
+on the file of `--llama-format` (q4_k_m / q5_k_m: the same file as ours; on x86 llama.cpp repacks Q4_K, not
+Q5_K / Q6_K):
   python -m benchmarks.micro.native_steps --model 1.7b --config q4_k_m --llama-format q4_k_m \
       --depths 0,512 --rounds 5 --out benchmarks/results/native_steps_1p7b_q4km_rounds_zen4.json
 
