@@ -55,25 +55,14 @@ MIXED = [Q4_1, K4, K8, (4, BF16, F32), (8, BF16, F16), (4, F16, F32), (8, F32, F
 
 
 def _prefill_equals_steps(model, kv_factory) -> None:
-    """A 40-token prompt prefilled natively in one chunk, in chunks of 5, 1, 23 and 11 rows, and token by
-    token: the last logits and the KV bit for bit (on 16-register variants a chunk of 16 rows or more
-    reads 6-bit codes expanded to bytes, a smaller one as stored)."""
-    from test_native_rows import _kv_state
+    """A 40-token prompt prefilled natively in one chunk, in chunks, and token by token, bit for bit
+    (test_native_rows.prefill_any_chunking; on 16-register variants a chunk of 16 rows or more reads
+    6-bit codes expanded to bytes, a smaller one as stored)."""
+    from test_native_rows import prefill_any_chunking
     adapter = ModelAdapter(model)
     decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
-    prompt = PROMPT + PROMPT[::-1]
-    kv_whole, kv_chunks, kv_steps = (kv_factory(adapter) for _ in range(3))
-    with torch.inference_mode():
-        whole = decoder.prefill(kv_whole, prompt, 0)
-        for lo, hi in ((0, 5), (5, 6), (6, 29), (29, 40)):
-            chunked = decoder.prefill(kv_chunks, prompt[lo:hi], lo)
-        for p, t in enumerate(prompt):
-            stepped = decoder(kv_steps, t, p)
-    assert torch.equal(whole, chunked) and torch.equal(whole, stepped)
-    states = [_kv_state(kv, adapter, len(prompt)) for kv in (kv_whole, kv_chunks, kv_steps)]
-    assert all(torch.equal(x, y) for x, y in zip(states[0], states[1]))
-    assert all(torch.equal(x, y) for x, y in zip(states[0], states[2]))
+    prefill_any_chunking(decoder, adapter, kv_factory, PROMPT + PROMPT[::-1])
     decoder.close()
 
 

@@ -46,6 +46,23 @@ def _kv_state(kv, adapter, end):
     return [t.clone() for layer in range(len(adapter.layers)) for t in kv.gather(layer, positions)]
 
 
+def prefill_any_chunking(decoder, adapter, kv_factory, prompt: list[int]):
+    """`prompt` prefilled natively in one chunk, in chunks of 5, 1, 23 and the rest, and token by token:
+    asserts the last logits and the KV bit for bit the same; returns (logits, KV state)."""
+    kv_whole, kv_chunks, kv_steps = (kv_factory(adapter) for _ in range(3))
+    with torch.inference_mode():
+        whole = decoder.prefill(kv_whole, prompt, 0)
+        for lo, hi in ((0, 5), (5, 6), (6, 29), (29, len(prompt))):
+            chunked = decoder.prefill(kv_chunks, prompt[lo:hi], lo)
+        for p, t in enumerate(prompt):
+            stepped = decoder(kv_steps, t, p)
+    assert torch.equal(whole, chunked) and torch.equal(whole, stepped)
+    states = [_kv_state(kv, adapter, len(prompt)) for kv in (kv_whole, kv_chunks, kv_steps)]
+    assert all(torch.equal(x, y) for x, y in zip(states[0], states[1]))
+    assert all(torch.equal(x, y) for x, y in zip(states[0], states[2]))
+    return whole, states[0]
+
+
 SHARED_PROMPT = [(7 * i + 3) % 900 + 5 for i in range(300)]      # a whole key block of 256 and part of the next
 
 
@@ -114,19 +131,12 @@ def test_native_prefill_matches_pytorch_and_any_chunking(tmp_path, weights, mode
     decoder, reason = native_decoder(adapter, threads=2)
     assert decoder is not None, reason
     prompt = PROMPT + PROMPT[::-1]                               # 40 tokens: past the mistral window
-    kv_torch, kv_whole, kv_chunks, kv_steps = (kv_factory(adapter) for _ in range(4))
+    kv_torch = kv_factory(adapter)
     with torch.inference_mode():
         want = forward(kv_torch, prompt[:12], 0)
         want = forward(kv_torch, prompt[12:], 12)               # a chunk over a prefix
-        whole = decoder.prefill(kv_whole, prompt, 0)
-        for lo, hi in ((0, 5), (5, 6), (6, 29), (29, 40)):
-            chunked = decoder.prefill(kv_chunks, prompt[lo:hi], lo)
-        for p, t in enumerate(prompt):
-            stepped = decoder(kv_steps, t, p)
-    assert torch.equal(whole, chunked) and torch.equal(whole, stepped)
-    states = [_kv_state(kv, adapter, len(prompt)) for kv in (kv_torch, kv_whole, kv_chunks, kv_steps)]
-    assert all(torch.equal(x, y) for x, y in zip(states[1], states[2]))
-    assert all(torch.equal(x, y) for x, y in zip(states[1], states[3]))
+    whole, native_state = prefill_any_chunking(decoder, adapter, kv_factory, prompt)
+    states = [_kv_state(kv_torch, adapter, len(prompt)), native_state]
     if weights == "float":
         assert torch.allclose(whole, want, rtol=1e-4, atol=1e-4), (whole - want).abs().max()
         assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(states[0], states[1]))
