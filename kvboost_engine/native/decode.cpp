@@ -826,9 +826,10 @@ constexpr int ROW_BLOCK_WIDE = REGISTERS >= 32 ? 8 : ROW_BLOCK;
 // a tile of 6-bit codes is first expanded to one byte a code (expand_tile6), which each pass of
 // ROW_BLOCK rows then loads chunk by chunk: the bits are split once, not once per pass, and a pass
 // holds two chunks, not eight beside its sums (which spilled). The integer sums, hence every row's
-// numbers, are the same either way. Paired probes (AVX2 forced, 1.7B shape, prefill 512): Q5_K_M
-// 1.25x, Q4_K_M (its Q6_K matrices) 1.03x; 4 rows 0.82x, 8 rows 0.91x, 16 about even, 32 1.14x.
-// With 32 registers (AVX-512) the codes stay as stored: expanded, Q5_K_M prefill took 0.96x.
+// numbers, are the same either way. Paired probes (AVX2 forced on Zen 4, 1.7B shape, prefill 512):
+// Q5_K_M 1.25x, Q4_K_M (its Q6_K matrices) 1.03x; 4 rows 0.82x, 8 rows 0.91x, 16 about even, 32
+// 1.14x; AVX-VNNI forced on a Xeon: Q5_K_M 1.22x. With 32 registers (AVX-512) the codes stay as
+// stored: expanded, the Q5_K_M prefill took 0.96x on Zen 4, 1.03x (noise) on the Xeon.
 constexpr bool EXPANDS = REGISTERS < 32;
 constexpr int EXPAND_ROWS = 4 * ROW_BLOCK;
 
