@@ -19,7 +19,7 @@ Configurations (ours; each in a fresh process, `--threads` torch/OpenMP threads)
                    --depths 0,512 keeps it to ~10 minutes)
   gemma3   fp32    Engine.from_pretrained("gemma3-270m")          (Gemma 3 270M base, float32: the default)
            int4    Engine.from_pretrained("gemma3-270m", weights="int4")
-           q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; not in the default list)
+           q4_k_m  Engine.from_pretrained(<its shipped Q4_K_M GGUF>)   (as stored; gemma3 runs where --model names it)
            q4_0    Engine.from_pretrained(<that file requantized to Q4_0>)
 Every row is compared with llama.cpp on the model's Q4_0 GGUF (its best 4-bit format here, repacked), or
 on the file of `--llama-format` (q4_k_m / q5_k_m: the same file as ours; on x86 llama.cpp repacks Q4_K, not
