@@ -534,6 +534,11 @@ inline void dot_block6(const uint8_t* wp, int half, const int32_t* const* xb, co
   }
 #else
   const __m256i ones = _mm256_set1_epi16(1);
+  // chunks j, j + 1 (c0, c1) times row r's activation words j, j + 1: int16 pair sums, then int32
+  auto pair = [&](__m256i c0, __m256i c1, int r, int j) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_set1_epi32(xb[r][j])),
+                                              _mm256_maddubs_epi16(c1, _mm256_set1_epi32(xb[r][j + 1]))), ones);
+  };
   if constexpr (X) {                       // chunk pairs outer, rows inner: two chunks held, not eight
     for (int r = 0; r < R; ++r) {
       sa[r] = _mm256_set1_epi32(za[r]);
@@ -542,20 +547,14 @@ inline void dot_block6(const uint8_t* wp, int half, const int32_t* const* xb, co
     for (int j = 0; j < 8; j += 2) {
       const __m256i c0 = chunk(j), c1 = chunk(j + 1);
       vi* dst = JOIN || j < 4 ? sa : sb;
-      for (int r = 0; r < R; ++r)
-        dst[r] = _mm256_add_epi32(dst[r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_set1_epi32(xb[r][j])),
-                                                                             _mm256_maddubs_epi16(c1, _mm256_set1_epi32(xb[r][j + 1]))), ones));
+      for (int r = 0; r < R; ++r) dst[r] = _mm256_add_epi32(dst[r], pair(c0, c1, r, j));
     }
     return;
   }
-  auto pair = [&](int r, int j) {          // chunks j, j + 1 of row r: int16 pair sums, then int32
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[j], _mm256_set1_epi32(xb[r][j])),
-                                              _mm256_maddubs_epi16(v[j + 1], _mm256_set1_epi32(xb[r][j + 1]))), ones);
-  };
   for (int r = 0; r < R; ++r) {
-    sa[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(za[r]), pair(r, 0)), pair(r, 2));
-    if constexpr (JOIN) sa[r] = _mm256_add_epi32(_mm256_add_epi32(sa[r], pair(r, 4)), pair(r, 6));
-    else sb[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(zb[r]), pair(r, 4)), pair(r, 6));
+    sa[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(za[r]), pair(v[0], v[1], r, 0)), pair(v[2], v[3], r, 2));
+    if constexpr (JOIN) sa[r] = _mm256_add_epi32(_mm256_add_epi32(sa[r], pair(v[4], v[5], r, 4)), pair(v[6], v[7], r, 6));
+    else sb[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(zb[r]), pair(v[4], v[5], r, 4)), pair(v[6], v[7], r, 6));
   }
 #endif
 }
