@@ -1,6 +1,7 @@
-"""The kernel benchmarks' C++ harnesses (benchmarks/micro/matrix_kernels.py, attention_kernels.py) include
-native/decode.cpp and build its structs and calls by hand: a change of the native interface (a QMat or
-Acts field, a kernel's arguments) must not leave them behind (one did: 2026-12-06)."""
+"""The kernel benchmarks' tools over native/decode.cpp. The C++ harnesses (benchmarks/micro/matrix_kernels.py,
+attention_kernels.py) include it and build its structs and calls by hand: a change of the native
+interface (a QMat or Acts field, a kernel's arguments) must not leave them behind (one did: 2026-12-06).
+native_ab builds a second copy of it beside the package's and runs both in one process."""
 from __future__ import annotations
 
 import platform
@@ -24,3 +25,34 @@ def test_kernel_harness_compiles_against_the_native_source(module, tmp_path):
     done = subprocess.run([cxx, "-fsyntax-only", *flags, *build.ISAS["avx2"][0], str(source)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_native_ab_runs_two_builds_of_the_step_in_one_process(tmp_path, capsys):
+    """benchmarks.micro.native_ab builds B from another copy of decode.cpp (build.load_from) and runs
+    it beside the package's build over the same rows: a byte-identical copy (the same library) gives
+    bit-identical outputs in every case, decode and prefill."""
+    if not build.runs_here():
+        pytest.skip(str(build.cpu_reason() or "no C++ compiler"))
+    from benchmarks.micro import native_ab
+    copy = tmp_path / "decode_copy.cpp"
+    copy.write_text(build.SOURCE.read_text())
+    native_ab.main(["--against", str(copy), "--smoke"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "B/A" in line]
+    assert [line.split()[0] + " " + line.split()[1] for line in lines] == [
+        "shared 1", "shared 2", "unshared 1", "unshared 2", "prefill 16"]
+    assert all(line.endswith("outputs identical") for line in lines), lines
+
+
+def test_a_source_that_does_not_build_or_a_missing_revision_is_reported(tmp_path):
+    """load_from gives the compiler's reason for a source that does not build (never raises), and
+    refuses a variant this CPU lacks; native_ab names an --against that is neither a file nor a revision."""
+    from benchmarks.micro import native_ab
+    if build.compiler() is not None and build.isa_reason("avx2") is None:
+        broken = tmp_path / "decode_broken.cpp"
+        broken.write_text("int broken = ;\n")
+        lib, reason = build.load_from(broken, "avx2")
+        assert lib is None and "building decode_broken.cpp (avx2) failed" in reason
+    lib, reason = build.load_from(build.SOURCE, "no-such-variant")
+    assert lib is None and "is not one of" in reason
+    with pytest.raises(SystemExit, match="neither a file nor a git revision"):
+        native_ab.source_b("no-such-revision-or-file", tmp_path)

@@ -6,9 +6,10 @@ process loads it without compiling. One library per instruction-set variant (ISA
 AVX512 with VNNI, AVX2 with AVX-VNNI, plain AVX2 (each with FMA and F16C), named instruction sets,
 never `-march=native` (some VMs advertise extensions they cannot run). The best variant the CPU
 reports runs; `KVBOOST_NATIVE_ISA=avx512|avxvnni|avx2` (or `load(isa=...)`) forces one, refused
-with a reason where the CPU lacks it. Anything missing (not x86-64 Linux, a CPU without AVX2, FMA
-and F16C, no compiler, a failed build) is reported as a reason, never raised: callers fall back to
-the PyTorch path.
+with a reason where the CPU lacks it (`load_from(source, isa)` builds another copy of the source
+the same way, for benchmarks comparing two versions in one process). Anything missing (not x86-64
+Linux, a CPU without AVX2, FMA and F16C, no compiler, a failed build) is reported as a reason, never
+raised: callers fall back to the PyTorch path.
 
 It is built with OpenMP: its `libgomp.so.1` is, by soname, the one PyTorch's Linux wheels ship and
 have already loaded, so a step runs on the calling thread's own OpenMP team, the threads its
@@ -113,9 +114,9 @@ def runs_here() -> bool:
     return cpu_reason() is None and compiler() is not None
 
 
-def library_path(cxx: str, isa: str) -> Path:
+def library_path(cxx: str, isa: str, source: Path = SOURCE) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = xxhash.xxh3_64_hexdigest("\0".join([SOURCE.read_text(), cxx, *version, *FLAGS, *ISAS[isa][0]]).encode())
+    key = xxhash.xxh3_64_hexdigest("\0".join([source.read_text(), cxx, *version, *FLAGS, *ISAS[isa][0]]).encode())
     return cache_home() / "native" / f"kvboost-decode-{isa}-{key}.so"
 
 
@@ -141,19 +142,30 @@ def load(isa: str | None = None) -> tuple[object | None, str | None]:
         return _loaded[want]
 
 
-def _build_and_open(isa: str) -> tuple[object | None, str | None]:
+def load_from(source: Path, isa: str) -> tuple[object | None, str | None]:
+    """(variant `isa` built from another copy of decode.cpp at `source`, None), or (None, why not):
+    for comparing two versions of the kernels in one process (benchmarks.micro.native_ab). Built and
+    cached as `load` builds the package's own source (keyed by its text); not kept per process, and
+    refused, as `load` refuses it, where this CPU lacks the variant."""
+    reason = isa_reason(isa)
+    if reason is not None:
+        return None, reason
+    return _build_and_open(isa, Path(source))
+
+
+def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str | None]:
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler found (set CXX, or install g++)"
-    path = library_path(cxx, isa)
+    path = library_path(cxx, isa, source)
     try:
         if not path.exists():
             with build_lock(path):
                 if not path.exists():
-                    _compile(cxx, path, isa)
+                    _compile(cxx, path, isa, source)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        return None, f"building {SOURCE.name} ({isa}) failed: {err}"
+        return None, f"building {source.name} ({isa}) failed: {err}"
     if lib.kvb_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.kvb_abi_version()}, expected {ABI_VERSION}"
     _declare(lib)
@@ -166,11 +178,11 @@ def _build_and_open(isa: str) -> tuple[object | None, str | None]:
     return lib, None
 
 
-def _compile(cxx: str, path: Path, isa: str) -> None:
+def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
     handle, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(handle)
     try:
-        done = subprocess.run([cxx, *FLAGS, *ISAS[isa][0], str(SOURCE), "-o", staging], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *FLAGS, *ISAS[isa][0], str(source), "-o", staging], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(" | ".join(done.stderr.strip().splitlines()[-3:])[-500:])
         os.replace(staging, path)
