@@ -45,7 +45,8 @@ def test_native_ab_runs_two_builds_of_the_step_in_one_process(tmp_path, capsys):
 
 def test_a_source_that_does_not_build_or_a_missing_revision_is_reported(tmp_path):
     """load_from gives the compiler's reason for a source that does not build (never raises), and
-    refuses a variant this CPU lacks; native_ab names an --against that is neither a file nor a revision."""
+    refuses a variant this CPU lacks and a missing file; native_ab names an --against that is neither
+    a file nor a revision."""
     from benchmarks.micro import native_ab
     if build.compiler() is not None and build.isa_reason("avx2") is None:
         broken = tmp_path / "decode_broken.cpp"
@@ -54,5 +55,8 @@ def test_a_source_that_does_not_build_or_a_missing_revision_is_reported(tmp_path
         assert lib is None and "building decode_broken.cpp (avx2) failed" in reason
     lib, reason = build.load_from(build.SOURCE, "no-such-variant")
     assert lib is None and "is not one of" in reason
+    if build.isa_reason("avx2") is None:
+        lib, reason = build.load_from(tmp_path / "missing.cpp", "avx2")
+        assert lib is None and "no such file" in reason
     with pytest.raises(SystemExit, match="neither a file nor a git revision"):
         native_ab.source_b("no-such-revision-or-file", tmp_path)

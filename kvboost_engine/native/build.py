@@ -150,6 +150,8 @@ def load_from(source: Path, isa: str) -> tuple[object | None, str | None]:
     reason = isa_reason(isa)
     if reason is not None:
         return None, reason
+    if not Path(source).is_file():
+        return None, f"{source}: no such file"
     return _build_and_open(isa, Path(source))
 
 
