@@ -15,7 +15,7 @@ Per case: A's and B's median ms, the median of the rounds' B / A time ratios (be
 their range, and whether A's and B's outputs (logits) are the same bit for bit (a refactor should
 keep them; a change of arithmetic will not).
 
-Run alone on a quiet machine (a minute or two for the defaults, plus building B: about a minute):
+Run alone on a quiet machine (about 3 minutes for the defaults on 2 cores, plus building B: about a minute):
   python -m benchmarks.micro.native_ab --against HEAD [--weights int4] [--context 1000] [--rows 1,8]
       [--prefill 512] [--rounds 10] [--steps 40] [--isa avx2] [--out benchmarks/results/native_ab.json]
   python -m benchmarks.micro.native_ab --against /tmp/decode_variant.cpp
