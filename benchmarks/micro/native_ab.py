@@ -53,7 +53,10 @@ def source_b(against: str, folder: Path) -> Path:
     path = Path(against)
     if path.is_file():
         return path
-    relative = build.SOURCE.resolve().relative_to(REPO).as_posix()
+    try:
+        relative = build.SOURCE.resolve().relative_to(REPO).as_posix()
+    except ValueError:                         # the package installed outside this checkout
+        raise SystemExit(f"--against {against!r} is not a file, and {build.SOURCE} is not in {REPO}'s git tree") from None
     try:
         done = subprocess.run(["git", "show", f"{against}:{relative}"], cwd=REPO, capture_output=True, text=True)
         why = done.stderr.strip() if done.returncode != 0 else None
