@@ -26,7 +26,6 @@ modules whose figures the README gives (native_steps, batching).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -41,8 +40,8 @@ from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import NativeDecoder, unsupported_reason
 
-from .._common import environment
-from .native_rows import UNSHARED_MAX, load
+from .._common import environment, save_result
+from .native_rows import UNSHARED_MAX, copies_of, load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,11 +94,7 @@ def measure(weights: str, sources: dict, isa: str, context: int, rows: list[int]
     with torch.inference_mode():
         kv = SequenceKV(adapter.geometry, context + 8, adapter.device)
         decoders["A"].prefill(kv, ids[:context], 0)
-        copies = []
-        for _ in range(min(UNSHARED_MAX, max(rows))):
-            other = SequenceKV(adapter.geometry, context + 8, adapter.device)
-            other.load(kv.export(0, context), 0)
-            copies.append(other)
+        copies = copies_of(kv, adapter, context, min(UNSHARED_MAX, max(rows)))
         # the shared rows all write their K and V into one slot (the KV's next), so they take one token:
         # different tokens there would make the slot's contents, and the outputs, depend on which
         # thread wrote last
@@ -113,11 +108,12 @@ def measure(weights: str, sources: dict, isa: str, context: int, rows: list[int]
         times: dict = {(case, name): [] for case in cases for name in decoders}
         for r in range(rounds):
             for case, run in cases.items():
+                calls = 1 if case.startswith("prefill") else steps
                 for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
                     start = time.perf_counter()
-                    for _ in range(1 if case.startswith("prefill") else steps):
+                    for _ in range(calls):
                         run(decoders[name])
-                    times[(case, name)].append((time.perf_counter() - start) / (1 if case.startswith("prefill") else steps))
+                    times[(case, name)].append((time.perf_counter() - start) / calls)
     for d in decoders.values():
         d.close()
     out = []
@@ -164,9 +160,7 @@ def main(argv=None) -> None:
               f"outputs {'identical' if c['identical_outputs'] else 'differ'}", flush=True)
     result["environment"] = environment(torch.nn.Linear(1, 1))
     if not args.smoke:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+        print("wrote", save_result(result, args.out, "native_ab"))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,17 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def copies_of(kv: SequenceKV, adapter: ModelAdapter, context: int, n: int) -> list[SequenceKV]:
+    """n copies of kv's first `context` positions, each with room for a few more (rows with nothing
+    shared: no key read twice)."""
+    copies = []
+    for _ in range(n):
+        other = SequenceKV(adapter.geometry, context + 8, adapter.device)
+        other.load(kv.export(0, context), 0)
+        copies.append(other)
+    return copies
+
+
 def measure(weights: str, context: int, rows: list[int], repeats: int, threads: int) -> dict:
     model = load(weights)
     adapter = ModelAdapter(model)
@@ -64,11 +75,7 @@ def measure(weights: str, context: int, rows: list[int], repeats: int, threads: 
         decoder.prefill(SequenceKV(adapter.geometry, 160, adapter.device), ids[:128], 0)      # warm-up
         kv = SequenceKV(adapter.geometry, capacity, adapter.device)
         prefill_s = timed(lambda: decoder.prefill(kv, ids, 0))
-        copies = []
-        for _ in range(min(UNSHARED_MAX, max(rows))):
-            other = SequenceKV(adapter.geometry, capacity, adapter.device)
-            other.load(kv.export(0, context), 0)
-            copies.append(other)
+        copies = copies_of(kv, adapter, context, min(UNSHARED_MAX, max(rows)))
         shapes = {("shared", m): [(kv, 5 + i, context) for i in range(m)] for m in rows}
         shapes.update({("unshared", m): [(copies[i], 5 + i, context) for i in range(m)]
                        for m in rows if m <= UNSHARED_MAX})
