@@ -19,6 +19,10 @@ Run alone on a quiet machine (about 3 minutes for the defaults on 2 cores, plus 
   python -m benchmarks.micro.native_ab --against HEAD [--weights int4] [--context 1000] [--rows 1,8]
       [--prefill 512] [--rounds 10] [--steps 40] [--isa avx2] [--out benchmarks/results/native_ab.json]
   python -m benchmarks.micro.native_ab --against /tmp/decode_variant.cpp
+At a real size, a GGUF file as stored (--gguf; --weights is then ignored), e.g. the random-weight
+SmolLM2-1.7B shape that benchmarks/gguf_models.py writes (its 8 unshared KV copies at 1,000 tokens
+take ~3 GB of float32; fewer steps, the steps being ~10x longer):
+  python -m benchmarks.micro.native_ab --against FILE --gguf <smollm2-1.7b-random.Q4_0.gguf> --steps 8
 Smoke: python -m benchmarks.micro.native_ab --against HEAD --smoke
 A note, not a README figure source: a kernel change that gains here is then measured with the
 modules whose figures the README gives (native_steps, batching).
@@ -41,6 +45,7 @@ from kvboost_engine.native import build
 from kvboost_engine.native.decoder import NativeDecoder, unsupported_reason
 
 from .._common import environment, save_result
+from .batching_report import load_weights
 from .native_rows import UNSHARED_MAX, copies_of, load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,15 +87,24 @@ def same(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def measure(weights: str, sources: dict, isa: str, context: int, rows: list[int], prefill: int, rounds: int,
+def model_of(weights: str, gguf: str | None):
+    """The default model (weights fp32 or int4), or the GGUF file at `gguf` as stored."""
+    if gguf is None:
+        return load(weights)
+    if not Path(gguf).is_file():
+        raise SystemExit(f"--gguf {gguf}: no such file")
+    return load_weights("gguf", gguf)[0]
+
+
+def measure(model, sources: dict, isa: str, context: int, rows: list[int], prefill: int, rounds: int,
             steps: int, threads: int) -> dict:
-    model = load(weights)
     adapter = ModelAdapter(model)
     reason = unsupported_reason(adapter)
     if reason is not None:
         raise SystemExit(f"the native step cannot run this model: {reason}")
     decoders = {name: decoder(adapter, path, isa, threads) for name, path in sources.items()}
-    ids = [1000 + (7 * i) % 20000 for i in range(max(context, prefill))]
+    vocab = int(model.config.vocab_size)
+    ids = [(1000 + 7 * i) % vocab for i in range(max(context, prefill))]
     with torch.inference_mode():
         kv = SequenceKV(adapter.geometry, context + 8, adapter.device)
         decoders["A"].prefill(kv, ids[:context], 0)
@@ -131,6 +145,7 @@ def main(argv=None) -> None:
     parser.add_argument("--against", required=True, help="B: a copy of decode.cpp, or a git revision (its copy)")
     parser.add_argument("--source", default=str(build.SOURCE), help="A: the package's decode.cpp unless given")
     parser.add_argument("--weights", default="int4", help="fp32 or int4 (the default model)")
+    parser.add_argument("--gguf", help="a GGUF file as stored, instead of the default model")
     parser.add_argument("--isa", default="", help="the variant both are built for (default: the best this CPU runs)")
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--rows", default="1,8")
@@ -150,10 +165,12 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         sources = {"A": Path(args.source), "B": source_b(args.against, Path(folder))}
         result: dict = {"command": "python -m benchmarks.micro.native_ab " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "a": str(sources["A"]), "b": args.against, "isa": isas[0], "weights": args.weights,
+                        "a": str(sources["A"]), "b": args.against, "isa": isas[0],
+                        "weights": f"gguf:{args.gguf}" if args.gguf else args.weights,
                         "context": args.context, "rounds": args.rounds, "steps": args.steps,
-                        **measure(args.weights, sources, isas[0], args.context, [int(m) for m in args.rows.split(",")],
-                                  args.prefill, args.rounds, args.steps, args.threads)}
+                        **measure(model_of(args.weights, args.gguf), sources, isas[0], args.context,
+                                  [int(m) for m in args.rows.split(",")], args.prefill, args.rounds, args.steps,
+                                  args.threads)}
     for c in result["cases"]:
         lo, hi = c["b_over_a_range"]
         print(f"{c['case']:14s} A {c['a_ms']:9.3f} ms  B {c['b_ms']:9.3f} ms  B/A {c['b_over_a']:.3f} ({lo:.3f}-{hi:.3f})  "

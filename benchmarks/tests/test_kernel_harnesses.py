@@ -60,3 +60,32 @@ def test_a_source_that_does_not_build_or_a_missing_revision_is_reported(tmp_path
         assert lib is None and "no such file" in reason
     with pytest.raises(SystemExit, match="neither a file nor a git revision"):
         native_ab.source_b("no-such-revision-or-file", tmp_path)
+
+
+def test_native_ab_runs_a_gguf_as_stored(tmp_path, monkeypatch, capsys):
+    """--gguf runs both builds over a GGUF file as stored (a tiny random llama in Q4_0, written with the
+    gguf package as the GGUF tests write theirs): every case, bit-identical outputs for a copy; a
+    missing file is named."""
+    if not build.runs_here():
+        pytest.skip(str(build.cpu_reason() or "no C++ compiler"))
+    from pathlib import Path
+
+    from kvboost_engine.paths import cache_home
+    from benchmarks.micro import native_ab
+    native_libs = cache_home() / "native"          # the package's build, not built again in the test's home
+    native_libs.mkdir(parents=True, exist_ok=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "native").symlink_to(native_libs, target_is_directory=True)
+    monkeypatch.setenv("KVBOOST_HOME", str(home))   # the file's pack goes there
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tests"))
+    from gguf_models import Q, write_model
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    copy = tmp_path / "decode_copy.cpp"
+    copy.write_text(build.SOURCE.read_text())
+    native_ab.main(["--against", str(copy), "--smoke", "--gguf", str(path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "B/A" in line]
+    assert len(lines) == 5 and all(line.endswith("outputs identical") for line in lines), lines
+    with pytest.raises(SystemExit, match="no such file"):
+        native_ab.main(["--against", str(copy), "--smoke", "--gguf", str(tmp_path / "missing.gguf")])
