@@ -10,6 +10,10 @@ Cases, each timed over --steps calls a round:
                sequences over one cached system prompt; one token, as they share its slot), for each
                M in --rows
   unshared M   M rows each over its own copy of that KV (M <= 16)
+  paged M      M sequences of the engine's block pool, as the engine runs chats over one cached system
+               prompt: the pool blocks of the first P positions shared (P: --context rounded down to
+               a whole block), then OWN_TOKENS tokens of each one's own, and one new token each in its
+               own slot (M <= 16)
   prefill N    N tokens prefilled natively into a fresh KV (--prefill; 0: none)
 Per case: A's and B's median ms, the median of the rounds' B / A time ratios (below 1: B faster) and
 their range, and whether A's and B's outputs (logits) are the same bit for bit (a refactor should
@@ -39,7 +43,10 @@ from pathlib import Path
 
 import torch
 
+from kvboost_engine.config import EngineConfig
 from kvboost_engine.kv.contiguous import SequenceKV
+from kvboost_engine.kv.paged import PagedSequence
+from kvboost_engine.kv.pool import BlockPool
 from kvboost_engine.model.arch import ModelAdapter
 from kvboost_engine.native import build
 from kvboost_engine.native.decoder import NativeDecoder, unsupported_reason
@@ -87,6 +94,32 @@ def same(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+OWN_TOKENS = 32          # each paged sequence's own tokens past the shared blocks (a question)
+BLOCK_TOKENS = EngineConfig().block_tokens    # the pool's block, as the engine's default
+
+
+def paged_rows(adapter: ModelAdapter, prefill, ids: list[int], context: int, m: int, vocab: int) -> list[tuple]:
+    """m (sequence, token, position) rows of the engine's pool: the first `context` ids rounded down to
+    whole blocks prefilled once (by `prefill`), their blocks mapped into every sequence (as cached
+    blocks are), then OWN_TOKENS tokens of each sequence's own; each row's new token goes to its own slot."""
+    b = BLOCK_TOKENS
+    shared = context - context % b
+    blocks = shared // b + m * -(-(OWN_TOKENS + 1) // b)
+    pool = BlockPool(adapter.geometry, blocks * b * adapter.geometry.bytes_per_token, adapter.device, block_tokens=b)
+    prefix = PagedSequence(pool, shared)
+    prefix.reserve()
+    prefill(prefix, ids[:shared], 0)
+    rows = []
+    for r in range(m):
+        seq = PagedSequence(pool, shared + OWN_TOKENS + 1)
+        pool.retain(prefix.table)
+        seq.map_shared(list(prefix.table))
+        seq.reserve()
+        prefill(seq, [(2000 + 101 * r + 7 * j) % vocab for j in range(OWN_TOKENS)], shared)
+        rows.append((seq, 5 + r, shared + OWN_TOKENS))
+    return rows
+
+
 def model_of(weights: str, gguf: str | None):
     """The default model (weights fp32 or int4), or the GGUF file at `gguf` as stored."""
     if gguf is None:
@@ -115,6 +148,10 @@ def measure(model, sources: dict, isa: str, context: int, rows: list[int], prefi
         cases = {f"shared {m}": (lambda d, m=m: d.decode_rows([(kv, 5, context)] * m)) for m in rows}
         cases.update({f"unshared {m}": (lambda d, m=m: d.decode_rows([(copies[i], 5 + i, context) for i in range(m)]))
                       for m in rows if m <= UNSHARED_MAX})
+        for m in rows:
+            if m <= UNSHARED_MAX:
+                paged = paged_rows(adapter, decoders["A"].prefill, ids, context, m, vocab)
+                cases[f"paged {m}"] = lambda d, paged=paged: d.decode_rows(paged)
         if prefill:
             cases[f"prefill {prefill}"] = lambda d: d.prefill(SequenceKV(adapter.geometry, prefill + 8, adapter.device),
                                                               ids[:prefill], 0)
@@ -158,6 +195,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.context, args.rows, args.prefill, args.rounds, args.steps = 64, "1,2", 16, 2, 2
+    if args.context < BLOCK_TOKENS:
+        raise SystemExit(f"--context must be at least {BLOCK_TOKENS} (a block of the paged cases)")
     isas, reason = build.candidates(args.isa or None)
     if not isas:
         raise SystemExit(f"the native step cannot run here: {reason}")

@@ -30,7 +30,8 @@ def test_kernel_harness_compiles_against_the_native_source(module, tmp_path):
 def test_native_ab_runs_two_builds_of_the_step_in_one_process(tmp_path, capsys):
     """benchmarks.micro.native_ab builds B from another copy of decode.cpp (build.load_from) and runs
     it beside the package's build over the same rows: a byte-identical copy (the same library) gives
-    bit-identical outputs in every case, decode and prefill."""
+    bit-identical outputs in every case: decode (over one KV, over copies, over pool blocks shared as the
+    engine shares a cached prompt's) and prefill."""
     if not build.runs_here():
         pytest.skip(str(build.cpu_reason() or "no C++ compiler"))
     from benchmarks.micro import native_ab
@@ -39,7 +40,7 @@ def test_native_ab_runs_two_builds_of_the_step_in_one_process(tmp_path, capsys):
     native_ab.main(["--against", str(copy), "--smoke"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "B/A" in line]
     assert [line.split()[0] + " " + line.split()[1] for line in lines] == [
-        "shared 1", "shared 2", "unshared 1", "unshared 2", "prefill 16"]
+        "shared 1", "shared 2", "unshared 1", "unshared 2", "paged 1", "paged 2", "prefill 16"]
     assert all(line.endswith("outputs identical") for line in lines), lines
 
 
@@ -86,6 +87,6 @@ def test_native_ab_runs_a_gguf_as_stored(tmp_path, monkeypatch, capsys):
     copy.write_text(build.SOURCE.read_text())
     native_ab.main(["--against", str(copy), "--smoke", "--gguf", str(path)])
     lines = [line for line in capsys.readouterr().out.splitlines() if "B/A" in line]
-    assert len(lines) == 5 and all(line.endswith("outputs identical") for line in lines), lines
+    assert len(lines) == 7 and all(line.endswith("outputs identical") for line in lines), lines
     with pytest.raises(SystemExit, match="no such file"):
         native_ab.main(["--against", str(copy), "--smoke", "--gguf", str(tmp_path / "missing.gguf")])
