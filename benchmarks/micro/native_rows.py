@@ -5,9 +5,9 @@ no scheduler): what a batched step costs against a step of one row.
 Per weights (--weights, default fp32,int4):
   prefill_tok_s   a prompt of --context tokens prefilled natively (chunks of PREFILL_ROWS rows), tok/s
   shared          M rows over one sequence's KV at its end (every row reads the same --context keys,
-                  as sequences over one cached system prompt do; they all write the same slot): ms per
-                  step, median over --repeats rounds that visit every M in turn (the machine's drift
-                  falls on every M alike)
+                  as sequences over one cached system prompt do; one token, as they all write the same
+                  slot): ms per step, median over --repeats rounds that visit every M in turn (the
+                  machine's drift falls on every M alike)
   unshared        M rows, each over its own copy of that KV (no key read twice), M <= 16
   speedup         M x step(1) / step(M): tokens per unit of time at M rows against one row
 Run alone on a quiet machine (about 2 minutes on 2 cores), no OMP_WAIT_POLICY:
@@ -76,7 +76,9 @@ def measure(weights: str, context: int, rows: list[int], repeats: int, threads: 
         kv = SequenceKV(adapter.geometry, capacity, adapter.device)
         prefill_s = timed(lambda: decoder.prefill(kv, ids, 0))
         copies = copies_of(kv, adapter, context, min(UNSHARED_MAX, max(rows)))
-        shapes = {("shared", m): [(kv, 5 + i, context) for i in range(m)] for m in rows}
+        # the shared rows write their K and V into one slot, so they take one token: with different ones the
+        # slot's contents would depend on which thread wrote last (the same work either way)
+        shapes = {("shared", m): [(kv, 5, context)] * m for m in rows}
         shapes.update({("unshared", m): [(copies[i], 5 + i, context) for i in range(m)]
                        for m in rows if m <= UNSHARED_MAX})
         for items in shapes.values():
