@@ -112,8 +112,7 @@ def paged_rows(adapter: ModelAdapter, prefill, ids: list[int], context: int, m: 
     rows = []
     for r in range(m):
         seq = PagedSequence(pool, shared + OWN_TOKENS + 1)
-        pool.retain(prefix.table)
-        seq.map_shared(list(prefix.table))
+        seq.map_shared(prefix.cache_blocks(0, shared))
         seq.reserve()
         prefill(seq, [(2000 + 101 * r + 7 * j) % vocab for j in range(OWN_TOKENS)], shared)
         rows.append((seq, 5 + r, shared + OWN_TOKENS))
