@@ -46,6 +46,10 @@ plain prompt "<system>\n\nQuestion: <question>\nAnswer:" through engine.stream /
 text warmed as a plain prefix; levels and unshared only:
   python -m benchmarks.micro.batching --weights "" --gguf <Gemma 3's Q4_0 GGUF> --completion \
       --sections levels,unshared,llama --out benchmarks/results/batching_gemma3.json
+Another system prompt length (--system-tokens N; default 1000): attention's share of a step, and the
+unshared read bound, move with it:
+  python -m benchmarks.micro.batching --weights int4 --system-tokens 250 --sections levels,unshared \
+      --out benchmarks/results/batching_int4_sys250.json
 Smoke: python -m benchmarks.micro.batching --smoke --sections levels,unshared,llama
 """
 from __future__ import annotations
@@ -222,7 +226,7 @@ def section_unshared(model, tokenizer) -> dict:
     engine.close()
     return {**paired, "system_tokens_each": SYSTEM_TOKENS, "weight_read_bytes": weight_bytes,
             "kv_read_bytes_per_sequence": kv_bytes, "read_bound_at_8": unshared_bound(weight_bytes, kv_bytes),
-            "note": "8 chats, each over its own warmed ~1k-token system prompt: every sequence reads its "
+            "note": "8 chats, each over its own warmed system prompt (system_tokens_each): every sequence reads its "
                     "own KV; speedup: wall tokens/s at once over serial; decode_speedup: sequences / mean gap "
                     "between tokens at once over 1 / mean gap serially; read_bound_at_8: the speed-up if a step "
                     "cost only its memory reads, 8 (W + K) / (W + 8 K), W the weights a step reads, K one "
@@ -319,6 +323,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/batching.json")
     parser.add_argument("--completion", action="store_true", help="plain prompts through engine.stream, not chats "
                         "(a base model without a chat template; levels and unshared)")
+    parser.add_argument("--system-tokens", type=int, help="the system prompts' length in "
+                        "tokens (levels, unshared, transformers, memory; default 1000): the "
+                        "share of attention in a step, and the unshared read bound, move with it")
     parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt; "
                         "llama-batched-bench on 16 prompt tokens and 4 new")
     args = parser.parse_args(argv)
@@ -326,6 +333,10 @@ def main(argv=None) -> None:
     COMPLETION = args.completion
     if args.smoke:
         NEW_TOKENS, SYSTEM_TOKENS, PAIRS = 8, 100, 1
+    if args.system_tokens is not None:
+        if args.system_tokens < 1:
+            parser.error("--system-tokens must be at least 1")
+        SYSTEM_TOKENS = args.system_tokens
     if args.kv_dtype:
         ENGINE_OPTIONS["kv_dtype"] = args.kv_dtype
     if args.cache_gib is not None:
@@ -334,7 +345,7 @@ def main(argv=None) -> None:
     sections = args.sections.split(",")
     if args.completion and set(sections) - {*PER_WEIGHTS, "llama"}:
         parser.error("--completion runs the levels, unshared and llama sections only")
-    result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model",
+    result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model", "system_tokens": SYSTEM_TOKENS,
                     "cache_bytes": ENGINE_OPTIONS.get("cache_bytes", "default")}
     for index, name in enumerate(names):
         wanted = [s for s in sections if s in SECTIONS and (s in PER_WEIGHTS or index == 0)]

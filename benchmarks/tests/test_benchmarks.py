@@ -227,3 +227,22 @@ def test_native_context_table_lists_each_weights_kv_and_context():
     lines = table(result).splitlines()
     assert "500 tokens" in lines[0] and "4000 tokens" in lines[0] and len(lines) == 4
     assert lines[2] == "| int4, int8 KV | 5.0 / 250.0 (50.0x) | 8.0 / 260.0 (32.5x) |"
+
+
+def test_batching_system_tokens_sets_the_prompt_length_and_refuses_nonsense(tmp_path, capsys, monkeypatch):
+    from benchmarks.micro import batching
+
+    for name in ("NEW_TOKENS", "SYSTEM_TOKENS", "PAIRS", "COMPLETION"):      # main sets them: put back after
+        monkeypatch.setattr(batching, name, getattr(batching, name))
+    monkeypatch.setattr(batching, "ENGINE_OPTIONS", {})
+    out = tmp_path / "batching.json"
+    batching.main(["--smoke", "--weights", "int4", "--system-tokens", "48", "--sections", "unshared",
+                   "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["system_tokens"] == 48
+    assert result["int4"]["unshared"]["system_tokens_each"] == 48
+    assert result["int4"]["unshared"]["greedy_same_as_serial"]
+    with pytest.raises(SystemExit):
+        batching.main(["--system-tokens", "0", "--out", str(tmp_path / "never.json")])
+    assert "--system-tokens must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "never.json").exists()
