@@ -135,7 +135,8 @@ def summary(result: dict) -> dict:
     out["llama_tg_tok_s"] = {f"{key}@{pl}": _llama_tg(result, key, pl) for key in ("shared", "unshared") for pl in (1, 8)}
     out["note"] = ("speedup: wall tokens/s of 8 at once over serial (paired, median); decode speed-up: sequences / "
                    "mean gap between tokens; decode_at_8_vs_llama: our decode tok/s at 8 over llama-batched-bench's "
-                   "speed_tg at -npl 8 with -pps (its prompt 400 tokens, 48 new; ours ~1k + a question, 64 new)")
+                   "speed_tg at -npl 8 with -pps (its prompt 400 tokens, 48 new; ours a system prompt of "
+                   f"{result.get('system_tokens', 1000)} tokens + a question, 64 new)")
     return out
 
 
