@@ -20,7 +20,8 @@ Sections:
               (8 (W + K) / (W + 8 K): weights W read once per step, each sequence's KV K its own).
   llama       llama-batched-bench on the default model's Q4_0 GGUF (or --gguf): -c 4096 -b 512 -ub 512
               -npp 400 -ntg 48 -npl 1,8 -t 2, with -pps (the prompt shared) and without: speed_tg
-              (decode tok/s, all sequences), speed_pp and speed (all tokens / all time) at 1 and 8.
+              (decode tok/s, all sequences), speed_pp and speed (all tokens / all time) at 1 and 8;
+              with --system-tokens N its prompt is N tokens (-npp N, -c 8 (N + 48)).
   transformers the same 8 chats through transformers' generate_batch (paged, block sharing on) vs
               ours: wall time, throughput and TTFT; then the same prompts again (a second wave).
   prefill     a short request arriving during a ~4k-token prefill: its TTFT vs the long prefill's.
@@ -323,9 +324,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/batching.json")
     parser.add_argument("--completion", action="store_true", help="plain prompts through engine.stream, not chats "
                         "(a base model without a chat template; levels and unshared)")
-    parser.add_argument("--system-tokens", type=int, help="the system prompts' length in "
-                        "tokens (levels, unshared, transformers, memory; default 1000): the "
-                        "share of attention in a step, and the unshared read bound, move with it")
+    parser.add_argument("--system-tokens", type=int, help="the system prompts' length in tokens (levels, "
+                        "unshared, transformers, memory; default 1000), and llama-batched-bench's prompt (default "
+                        "400): the share of attention in a step, and the unshared read bound, move with it")
     parser.add_argument("--smoke", action="store_true", help="8 new tokens over a 100-token system prompt; "
                         "llama-batched-bench on 16 prompt tokens and 4 new")
     args = parser.parse_args(argv)
@@ -362,7 +363,7 @@ def main(argv=None) -> None:
         del model
     if "llama" in sections:
         print("== llama", flush=True)
-        result["llama"] = llama_batched(args.gguf, args.llama_threads, args.smoke)
+        result["llama"] = llama_batched(args.gguf, args.llama_threads, args.smoke, args.system_tokens)
     result["summary"] = summary(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -82,12 +82,21 @@ def unshared_bound(weight_bytes: int, kv_bytes: int, rows: int = 8) -> float:
     return round(rows * (weight_bytes + kv_bytes) / (weight_bytes + rows * kv_bytes), 2)
 
 
-def llama_batched(gguf: str | None, threads: int, smoke: bool = False) -> dict:
-    """llama-batched-bench at 1 and 8 sequences, the prompt shared (-pps) and not."""
+def llama_sizes(prompt: int | None) -> list[str]:
+    """llama-batched-bench's sizes: LLAMA_SIZE, or a prompt of `prompt` tokens (its context then room for
+    8 sequences of it and their 48 new tokens each, unshared)."""
+    if prompt is None:
+        return LLAMA_SIZE
+    return ["-c", str(8 * (prompt + 48)), "-b", "512", "-ub", "512", "-npp", str(prompt), "-ntg", "48"]
+
+
+def llama_batched(gguf: str | None, threads: int, smoke: bool = False, prompt: int | None = None) -> dict:
+    """llama-batched-bench at 1 and 8 sequences, the prompt shared (-pps) and not; `prompt`: its length
+    in tokens (default LLAMA_SIZE's 400)."""
     path = Path(gguf) if gguf else model_file("default", "q4_0")
     out: dict = {"file": str(path)}
     for key, extra in (("shared", ["-pps"]), ("unshared", [])):
-        cmd = [str(tools_dir() / "bin" / "llama-batched-bench"), "-m", str(path), *(LLAMA_SMOKE if smoke else LLAMA_SIZE),
+        cmd = [str(tools_dir() / "bin" / "llama-batched-bench"), "-m", str(path), *(LLAMA_SMOKE if smoke else llama_sizes(prompt)),
                "-npl", "1,8", "-t", str(threads), "--output-format", "jsonl", *extra]
         try:
             text, _, seconds, _ = _timed(cmd)
@@ -105,6 +114,12 @@ def llama_batched(gguf: str | None, threads: int, smoke: bool = False) -> dict:
 def _llama_tg(result: dict, key: str, pl: int) -> float | None:
     rows = result.get("llama", {}).get(key, {}).get("rows", [])
     return next((r["speed_tg"] for r in rows if r["pl"] == pl), None)
+
+
+def _llama_pp(result: dict) -> int | str:
+    """llama-batched-bench's prompt length in this run (its rows' pp), or "-" where it did not run."""
+    rows = result.get("llama", {}).get("shared", {}).get("rows", [])
+    return rows[0]["pp"] if rows else "-"
 
 
 def summary(result: dict) -> dict:
@@ -135,8 +150,8 @@ def summary(result: dict) -> dict:
     out["llama_tg_tok_s"] = {f"{key}@{pl}": _llama_tg(result, key, pl) for key in ("shared", "unshared") for pl in (1, 8)}
     out["note"] = ("speedup: wall tokens/s of 8 at once over serial (paired, median); decode speed-up: sequences / "
                    "mean gap between tokens; decode_at_8_vs_llama: our decode tok/s at 8 over llama-batched-bench's "
-                   "speed_tg at -npl 8 with -pps (its prompt 400 tokens, 48 new; ours a system prompt of "
-                   f"{result.get('system_tokens', 1000)} tokens + a question, 64 new)")
+                   f"speed_tg at -npl 8 with -pps (its prompt {_llama_pp(result)} tokens, 48 new; ours a "
+                   f"system prompt of {result.get('system_tokens', 1000)} tokens + a question, 64 new)")
     return out
 
 

@@ -246,3 +246,12 @@ def test_batching_system_tokens_sets_the_prompt_length_and_refuses_nonsense(tmp_
         batching.main(["--system-tokens", "0", "--out", str(tmp_path / "never.json")])
     assert "--system-tokens must be at least 1" in capsys.readouterr().err
     assert not (tmp_path / "never.json").exists()
+
+
+def test_llama_batched_bench_sizes_follow_the_prompt_length():
+    from benchmarks.micro.batching_report import LLAMA_SIZE, llama_sizes
+
+    assert llama_sizes(None) == LLAMA_SIZE                       # 400 tokens, as every earlier run
+    sizes = llama_sizes(4000)
+    assert sizes[sizes.index("-npp") + 1] == "4000"
+    assert int(sizes[sizes.index("-c") + 1]) >= 8 * (4000 + 48)   # 8 unshared sequences and their new tokens fit
