@@ -15,7 +15,14 @@ times M = 1 and M = 8 rows of activations (a serial step, and 8 sequences' step)
 Per case: microseconds per product, the weight bytes read per second, and the floor: the
 product's u8 x s8 multiply-adds at the rate of the variant's integer dot instruction measured in
 the same binary (AVX-512 and AVX-VNNI: vpdpbusd; AVX2: vpmaddubsw), 12 independent chains.
-floor_ratio = time / floor.
+floor_ratio = time / floor. Then, on the same binary:
+  rounds     12 rounds with the weights in cache, each timing the floor, int4 at 8 rows, int8 at 8 rows
+             and int4 at 1 row; rounds_range gives [least, most] of each, and of int4 at 8 rows against
+             its round's floor (a machine of two speeds shows as a spread far wider than a round's noise)
+  sweep      int4 at 1 row over the first k matrices of one set of 1,024, cycled (a set of 4.4 MB to
+             566 MB): the read rate one thread gets by working-set size, which falls where the
+             last-level cache this process gets stops holding the set (the default model's int4 decode
+             step reads 96.6 MB of weights: batching_report.step_read_bytes)
 
 What it showed on Zen 4 (2026-12-05, alone, `benchmarks/results/matrix_kernels_zen4_dec5.json`):
 one zmm vpdpbusd a cycle (235 G multiply-adds/s at 3.67 GHz; AVX2's vpmaddubsw the same rate).
@@ -117,6 +124,8 @@ static Set make(int bits, int copies, bool huge) {
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? atoi(argv[1]) : 400;
   const int cold_copies = argc > 2 ? atoi(argv[2]) : 512;
+  const int rounds = argc > 3 ? atoi(argv[3]) : 12;
+  const int sweep_copies = argc > 4 ? atoi(argv[4]) : 1024;
   const int max_rows = 8;
   std::vector<float> x(max_rows * COLS), dx(max_rows * COLS / BLOCK), sx(max_rows * COLS / BLOCK), y(max_rows * ROWS);
   std::vector<int8_t> xq(max_rows * COLS);
@@ -149,9 +158,71 @@ int main(int argc, char** argv) {
       }
       for (void* p : set.parts) std::free(p);
     }
-  std::printf("], \"checksum\": %.6f}\n", y[5]);
+  std::printf("]");
+  // The machine's speed round after round (weights in cache): the floor, then int4 and int8 at 8 rows
+  // and int4 at 1 row, each the best of 3 runs of 300 products.
+  {
+    const Set s4 = make(4, 1, false), s8 = make(8, 1, false);
+    std::printf(", \"rounds\": [");
+    for (int r = 0; r < rounds; ++r) {
+      const double floor_rate = mac_rate(4000000L / VW);
+      double us[3];
+      const QMat* which[3] = {&s4.mats[0], &s8.mats[0], &s4.mats[0]};
+      const int rows_of[3] = {8, 8, 1};
+      for (int k = 0; k < 3; ++k) {
+        double best = 1e9;
+        for (int rep = 0; rep < 3; ++rep) {
+          const double t0 = now();
+          for (int it = 0; it < 300; ++it) run_gemm(*which[k], a, rows_of[k], y.data());
+          best = std::min(best, (now() - t0) / 300);
+        }
+        us[k] = best * 1e6;
+      }
+      std::printf("%s{\"macs_per_s\": %.4g, \"int4_m8_us\": %.2f, \"int8_m8_us\": %.2f, \"int4_m1_us\": %.2f}",
+                  r ? ", " : "", floor_rate, us[0], us[1], us[2]);
+    }
+    std::printf("]");
+    for (const Set* s : {&s4, &s8}) for (void* p : s->parts) std::free(p);
+  }
+  // One row of int4 products over the first k matrices of one large set, cycled: the read rate by
+  // working-set size (where the last-level cache this process gets stops holding the set).
+  {
+    const Set big = make(4, sweep_copies, false);
+    std::printf(", \"sweep\": [");
+    bool first_size = true;
+    for (int k : {8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 512, 1024}) {
+      if (k > sweep_copies) break;
+      for (int i = 0; i < k; ++i) run_gemm(big.mats[i], a, 1, y.data());
+      double best = 1e9;
+      for (int rep = 0; rep < 3; ++rep) {
+        const int n = std::max(k, 400);
+        const double t0 = now();
+        for (int it = 0; it < n; ++it) run_gemm(big.mats[it % k], a, 1, y.data());
+        best = std::min(best, (now() - t0) / n);
+      }
+      std::printf("%s{\"set_mb\": %.1f, \"int4_m1_us\": %.2f, \"gb_per_s\": %.2f}", first_size ? "" : ", ",
+                  big.bytes_each * k / 1e6, best * 1e6, big.bytes_each / best / 1e9);
+      first_size = false;
+    }
+    std::printf("]");
+    for (void* p : big.parts) std::free(p);
+  }
+  std::printf(", \"checksum\": %.6f}\n", y[5]);
 }
 """
+
+
+def rounds_range(rounds: list[dict], macs_m8: int) -> dict:
+    """[least, most] over the rounds of the floor (G multiply-adds/s), of each product's microseconds,
+    and of the int4 8-row product against that round's floor: a machine of two speeds shows as a
+    spread much wider than one round's noise."""
+    def span(values):
+        return [round(min(values), 2), round(max(values), 2)]
+    out = {"floor_g": span([r["macs_per_s"] / 1e9 for r in rounds])}
+    for key in ("int4_m8_us", "int8_m8_us", "int4_m1_us"):
+        out[key] = span([r[key] for r in rounds])
+    out["int4_m8_floor_ratio"] = span([r["int4_m8_us"] * 1e-6 * r["macs_per_s"] / macs_m8 for r in rounds])
+    return out
 
 
 def thp_setting() -> str:
@@ -166,17 +237,24 @@ def thp_setting() -> str:
 def main(argv=None) -> None:
     args = native_harness.arguments(__doc__.splitlines()[0], argv)
     isas = native_harness.variants(args.isa)
-    iters, cold_copies = (10, 8) if args.smoke else (400, 512)
+    iters, cold_copies, rounds, sweep_copies = (10, 8, 2, 16) if args.smoke else (400, 512, 12, 1024)
 
     def report(isa: str, got: dict) -> None:
         print(f"{isa}: {got['macs_per_s'] / 1e9:.1f} G int8 multiply-adds/s (VW {got['vw']})")
         for c in got["cases"]:
             print(f"  int{c['bits']} M={c['rows_m']} {c['weights']:<9} {c['us_per_product']:7.2f} us  "
                   f"{c['weight_gb_per_s']:6.2f} GB/s  floor {c['mac_floor_us']:6.2f} us  x{c['floor_ratio']:.2f}")
+        for i, r in enumerate(got["rounds"]):
+            print(f"  round {i:2d}: floor {r['macs_per_s'] / 1e9:6.1f} G  int4 M=8 {r['int4_m8_us']:6.2f} us  "
+                  f"int8 M=8 {r['int8_m8_us']:6.2f} us  int4 M=1 {r['int4_m1_us']:6.2f} us")
+        got["rounds_range"] = rounds_range(got["rounds"], 576 * 1536 * 8)
+        print(f"  rounds: {got['rounds_range']}")
+        for c in got["sweep"]:
+            print(f"  int4 M=1 over a {c['set_mb']:7.1f} MB set: {c['int4_m1_us']:6.2f} us  {c['gb_per_s']:6.2f} GB/s")
 
     result: dict = {"shape": "576 x 1536 (the default model's MLP down), one thread", "cpu_model": cpu_model(),
                     "thp": thp_setting(), "variants_run": isas,
-                    "variants": native_harness.run_variants("matrix", HARNESS, isas, [iters, cold_copies], report)}
+                    "variants": native_harness.run_variants("matrix", HARNESS, isas, [iters, cold_copies, rounds, sweep_copies], report)}
     if not args.smoke:
         print("wrote", save_result(result, args.out, "matrix_kernels"))
 
