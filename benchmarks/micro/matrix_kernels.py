@@ -39,8 +39,8 @@ tok/s against 28.0 / 36.1 / 36.8 mapped (the machine's two speeds either way). S
 weights stay a mapping of their file (page cache shared between processes) and this stays a tool.
 
 A note, not a README figure source: a kernel change that gains here must still be measured on the
-step (benchmarks.micro.native_steps, batching). Run alone on a quiet machine (about a minute a variant,
-most of it compiling decode.cpp):
+step (benchmarks.micro.native_steps, batching). Run alone on a quiet machine (about two minutes a
+variant: compiling decode.cpp, then filling and reading the sweep's 566 MB):
   python -m benchmarks.micro.matrix_kernels [--isa avx512,avx2] [--out benchmarks/results/matrix_kernels.json]
 Smoke: python -m benchmarks.micro.matrix_kernels --smoke
 """
@@ -212,7 +212,10 @@ int main(int argc, char** argv) {
 """
 
 
-def rounds_range(rounds: list[dict], macs_m8: int) -> dict:
+MACS_M8 = 576 * 1536 * 8       # the harness's ROWS x COLS times 8 rows of activations
+
+
+def rounds_range(rounds: list[dict], macs_m8: int = MACS_M8) -> dict:
     """[least, most] over the rounds of the floor (G multiply-adds/s), of each product's microseconds,
     and of the int4 8-row product against that round's floor: a machine of two speeds shows as a
     spread much wider than one round's noise."""
@@ -247,7 +250,7 @@ def main(argv=None) -> None:
         for i, r in enumerate(got["rounds"]):
             print(f"  round {i:2d}: floor {r['macs_per_s'] / 1e9:6.1f} G  int4 M=8 {r['int4_m8_us']:6.2f} us  "
                   f"int8 M=8 {r['int8_m8_us']:6.2f} us  int4 M=1 {r['int4_m1_us']:6.2f} us")
-        got["rounds_range"] = rounds_range(got["rounds"], 576 * 1536 * 8)
+        got["rounds_range"] = rounds_range(got["rounds"])
         print(f"  rounds: {got['rounds_range']}")
         for c in got["sweep"]:
             print(f"  int4 M=1 over a {c['set_mb']:7.1f} MB set: {c['int4_m1_us']:6.2f} us  {c['gb_per_s']:6.2f} GB/s")

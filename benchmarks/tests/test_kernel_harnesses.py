@@ -95,11 +95,12 @@ def test_native_ab_runs_a_gguf_as_stored(tmp_path, monkeypatch, capsys):
 def test_matrix_kernels_rounds_range_gives_each_measure_its_least_and_most():
     """matrix_kernels' rounds (the machine's speed round after round) are summed up as [least, most]
     of each measure, the int4 8-row product also against its own round's floor."""
-    from benchmarks.micro.matrix_kernels import rounds_range
-    macs = 576 * 1536 * 8
+    from benchmarks.micro.matrix_kernels import HARNESS, MACS_M8, rounds_range
+    assert "constexpr int ROWS = 576, COLS = 1536;" in HARNESS and MACS_M8 == 576 * 1536 * 8   # one shape
+    macs = MACS_M8
     fast = {"macs_per_s": 360e9, "int4_m8_us": 40.0, "int8_m8_us": 38.0, "int4_m1_us": 11.0}
     slow = {"macs_per_s": 270e9, "int4_m8_us": 66.0, "int8_m8_us": 65.0, "int4_m1_us": 12.0}
-    got = rounds_range([fast, slow, fast], macs)
+    got = rounds_range([fast, slow, fast])
     assert got["floor_g"] == [270.0, 360.0]
     assert got["int4_m8_us"] == [40.0, 66.0] and got["int8_m8_us"] == [38.0, 65.0] and got["int4_m1_us"] == [11.0, 12.0]
     assert got["int4_m8_floor_ratio"] == [round(40e-6 * 360e9 / macs, 2), round(66e-6 * 270e9 / macs, 2)]
