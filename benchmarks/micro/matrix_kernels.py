@@ -109,6 +109,17 @@ static uint8_t* region(size_t bytes, bool huge, unsigned seed) {
   return p;
 }
 struct Set { std::vector<QMat> mats; size_t bytes_each; void* parts[3]; };
+// Seconds per product: the best of `reps` runs of `iters` products over the first k matrices of
+// `mats`, cycled.
+static double best_of(const std::vector<QMat>& mats, size_t k, const Acts& a, int M, float* y, int iters, int reps) {
+  double best = 1e9;
+  for (int rep = 0; rep < reps; ++rep) {
+    const double t0 = now();
+    for (int it = 0; it < iters; ++it) run_gemm(mats[it % k], a, M, y);
+    best = std::min(best, (now() - t0) / iters);
+  }
+  return best;
+}
 static Set make(int bits, int copies, bool huge) {
   const size_t codes = static_cast<size_t>(ROWS) * COLS * bits / 8, scales = static_cast<size_t>(ROWS) * COLS / BLOCK;
   uint8_t* c = region(codes * copies, huge, 1);
@@ -143,12 +154,7 @@ int main(int argc, char** argv) {
       const Set set = make(bits, mem == 0 ? 1 : cold_copies, mem == 2);
       for (int M : {1, 8}) {
         for (const QMat& w : set.mats) run_gemm(w, a, M, y.data());
-        double best = 1e9;
-        for (int rep = 0; rep < 5; ++rep) {
-          const double t0 = now();
-          for (int it = 0; it < iters; ++it) run_gemm(set.mats[it % set.mats.size()], a, M, y.data());
-          best = std::min(best, (now() - t0) / iters);
-        }
+        const double best = best_of(set.mats, set.mats.size(), a, M, y.data(), iters, 5);
         const double floor = static_cast<double>(ROWS) * COLS * M / rate;
         std::printf("%s{\"bits\": %d, \"rows_m\": %d, \"weights\": \"%s\", \"us_per_product\": %.2f, "
                     "\"weight_gb_per_s\": %.2f, \"mac_floor_us\": %.2f, \"floor_ratio\": %.2f}",
@@ -167,17 +173,9 @@ int main(int argc, char** argv) {
     for (int r = 0; r < rounds; ++r) {
       const double floor_rate = mac_rate(4000000L / VW);
       double us[3];
-      const QMat* which[3] = {&s4.mats[0], &s8.mats[0], &s4.mats[0]};
+      const Set* which[3] = {&s4, &s8, &s4};
       const int rows_of[3] = {8, 8, 1};
-      for (int k = 0; k < 3; ++k) {
-        double best = 1e9;
-        for (int rep = 0; rep < 3; ++rep) {
-          const double t0 = now();
-          for (int it = 0; it < 300; ++it) run_gemm(*which[k], a, rows_of[k], y.data());
-          best = std::min(best, (now() - t0) / 300);
-        }
-        us[k] = best * 1e6;
-      }
+      for (int k = 0; k < 3; ++k) us[k] = 1e6 * best_of(which[k]->mats, 1, a, rows_of[k], y.data(), 300, 3);
       std::printf("%s{\"macs_per_s\": %.4g, \"int4_m8_us\": %.2f, \"int8_m8_us\": %.2f, \"int4_m1_us\": %.2f}",
                   r ? ", " : "", floor_rate, us[0], us[1], us[2]);
     }
@@ -193,13 +191,7 @@ int main(int argc, char** argv) {
     for (int k : {8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 512, 1024}) {
       if (k > sweep_copies) break;
       for (int i = 0; i < k; ++i) run_gemm(big.mats[i], a, 1, y.data());
-      double best = 1e9;
-      for (int rep = 0; rep < 3; ++rep) {
-        const int n = std::max(k, 400);
-        const double t0 = now();
-        for (int it = 0; it < n; ++it) run_gemm(big.mats[it % k], a, 1, y.data());
-        best = std::min(best, (now() - t0) / n);
-      }
+      const double best = best_of(big.mats, k, a, 1, y.data(), std::max(k, 400), 3);
       std::printf("%s{\"set_mb\": %.1f, \"int4_m1_us\": %.2f, \"gb_per_s\": %.2f}", first_size ? "" : ", ",
                   big.bytes_each * k / 1e6, best * 1e6, big.bytes_each / best / 1e9);
       first_size = false;
