@@ -63,11 +63,12 @@ def linear_s(model, rows: int) -> float:
 
 def step_read_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter and large buffer, less the stored m of
-    packed matrices whose m the native step derives from d (zero_code)."""
+    packed matrices whose m the native step derives from d (zero_code; a GGUF's Q4_0 / Q8_0 matrices
+    store none)."""
     from kvboost_engine.weights.packed import PackedLinear
     tensors = [p for p in model.parameters()] + [b for b in model.buffers() if b.numel() > 1024]
     total = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-    skipped = {id(m.m): m.m for m in model.modules() if isinstance(m, PackedLinear) and m.zero_code}
+    skipped = {id(m.m): m.m for m in model.modules() if isinstance(m, PackedLinear) and m.zero_code and m.m is not None}
     return total - sum(t.numel() * t.element_size() for t in skipped.values())
 
 

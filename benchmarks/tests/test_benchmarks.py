@@ -255,3 +255,24 @@ def test_llama_batched_bench_sizes_follow_the_prompt_length():
     sizes = llama_sizes(4000)
     assert sizes[sizes.index("-npp") + 1] == "4000"
     assert int(sizes[sizes.index("-c") + 1]) >= 8 * (4000 + 48)   # 8 unshared sequences and their new tokens fit
+
+
+def test_step_read_bytes_leaves_out_a_derived_m_stored_or_not():
+    """A GGUF's Q4_0 / Q8_0 matrices store no m (None): the step's bytes are still counted (the
+    unshared section's read bound at a real size failed on them)."""
+    import torch
+    from torch import nn
+
+    from benchmarks.micro.batching_report import step_read_bytes
+    from kvboost_engine.weights.packed import PackedLinear, pack_codes
+
+    n = k = 256
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    d = torch.ones(n, k // 32)
+    packed = pack_codes(codes, d, -8 * d, 4, torch.float16, torch.float16)
+    without_m = PackedLinear(packed["codes"], packed["d"], None, 4, n, k, zero_code=8)
+    with_m = PackedLinear(packed["codes"].clone(), packed["d"].clone(), packed["m"], 4, n, k, zero_code=8)
+    plain = nn.Linear(k, n, bias=False)
+    size = lambda t: t.numel() * t.element_size()
+    expected = 2 * (size(packed["codes"]) + size(packed["d"])) + size(plain.weight)     # not the stored m
+    assert step_read_bytes(nn.Sequential(without_m, with_m, plain)) == expected
