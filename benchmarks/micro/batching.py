@@ -42,6 +42,8 @@ At a real size (--gguf <a 1.7B-shape file>) 8 warmed ~1k-token prompts can outgr
 the timed waves; --cache-gib sizes every engine's cache_bytes for that:
   python -m benchmarks.micro.batching --weights "" --gguf <file> --cache-gib 6 --sections unshared \
       --out benchmarks/results/batching_1p7b_cache6g.json
+(8 such prompts of 4,000 tokens hold ~12.8 GB of float32 KV: past the default KV pool's cap of half the
+memory on a 24 GB machine, so they would be prefilled again inside the waves.)
 Completion mode (--completion; a base model without a chat template, Gemma 3 270M): each chat is the
 plain prompt "<system>\n\nQuestion: <question>\nAnswer:" through engine.stream / generate, the system
 text warmed as a plain prefix; levels and unshared only:

@@ -14,7 +14,10 @@ Cases, each timed over --steps calls a round:
                prompt: the pool blocks of the first P positions shared (P: --context rounded down to
                a whole block), then OWN_TOKENS tokens of each one's own, and one new token each in its
                own slot (M <= 16)
-  prefill N    N tokens prefilled natively into a fresh KV (--prefill; 0: none)
+  prefill N    N tokens prefilled natively into a fresh KV (--prefill; 0: none); with float32 weights on
+               an Intel CPU the engine runs prompt chunks on PyTorch's MKL products instead
+               (decoder.float_prefill_off): the case is then named "(not the engine's path here)" and
+               engine_prefill gives the reason
 Per case: A's and B's median ms, the median of the rounds' B / A time ratios (below 1: B faster) and
 their range, and whether A's and B's outputs (logits) are the same bit for bit (a refactor should
 keep them; a change of arithmetic will not).
@@ -151,9 +154,11 @@ def measure(model, sources: dict, isa: str, context: int, rows: list[int], prefi
             if m <= UNSHARED_MAX:
                 paged = paged_rows(adapter, decoders["A"].prefill, ids, context, m, vocab)
                 cases[f"paged {m}"] = lambda d, paged=paged: d.decode_rows(paged)
+        off = decoders["A"].prefill_off        # float32 prompt chunks on PyTorch's products in the engine here
         if prefill:
-            cases[f"prefill {prefill}"] = lambda d: d.prefill(SequenceKV(adapter.geometry, prefill + 8, adapter.device),
-                                                              ids[:prefill], 0)
+            # timed natively either way; where the engine runs them on PyTorch, the case's name says so
+            name = f"prefill {prefill}" + ("" if off is None else " (not the engine's path here)")
+            cases[name] = lambda d: d.prefill(SequenceKV(adapter.geometry, prefill + 8, adapter.device), ids[:prefill], 0)
         identical = {case: same(run(decoders["A"]), run(decoders["B"])) for case, run in cases.items()}   # (warm-up)
         times: dict = {(case, name): [] for case in cases for name in decoders}
         for r in range(rounds):
@@ -173,7 +178,7 @@ def measure(model, sources: dict, isa: str, context: int, rows: list[int], prefi
         out.append({"case": case, "a_ms": round(1000 * statistics.median(a), 3), "b_ms": round(1000 * statistics.median(b), 3),
                     "b_over_a": round(statistics.median(ratios), 3), "b_over_a_range": [round(ratios[0], 3), round(ratios[-1], 3)],
                     "identical_outputs": identical[case]})
-    return {"cases": out}
+    return {"cases": out, "engine_prefill": "native" if off is None else off}
 
 
 def main(argv=None) -> None:
@@ -213,6 +218,8 @@ def main(argv=None) -> None:
         lo, hi = c["b_over_a_range"]
         print(f"{c['case']:14s} A {c['a_ms']:9.3f} ms  B {c['b_ms']:9.3f} ms  B/A {c['b_over_a']:.3f} ({lo:.3f}-{hi:.3f})  "
               f"outputs {'identical' if c['identical_outputs'] else 'differ'}", flush=True)
+    if result["engine_prefill"] != "native":
+        print(f"the engine's prompt chunks here: {result['engine_prefill']}", flush=True)
     result["environment"] = environment(torch.nn.Linear(1, 1))
     if not args.smoke:
         print("wrote", save_result(result, args.out, "native_ab"))

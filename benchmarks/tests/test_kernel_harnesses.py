@@ -44,6 +44,22 @@ def test_native_ab_runs_two_builds_of_the_step_in_one_process(tmp_path, capsys):
     assert all(line.endswith("outputs identical") for line in lines), lines
 
 
+def test_native_ab_names_a_prefill_the_engine_does_not_run_natively(tmp_path, monkeypatch, capsys):
+    """Float32 weights whose prompt chunks the engine runs on PyTorch (decoder.float_prefill_off: Intel's
+    MKL, or $KVBOOST_NATIVE_PREFILL=0 as here): the native prefill case is still timed, named as not the
+    engine's path, and the reason printed and recorded."""
+    if not build.runs_here():
+        pytest.skip(str(build.cpu_reason() or "no C++ compiler"))
+    from benchmarks.micro import native_ab
+    monkeypatch.setenv("KVBOOST_NATIVE_PREFILL", "0")
+    copy = tmp_path / "decode_copy.cpp"
+    copy.write_text(build.SOURCE.read_text())
+    native_ab.main(["--against", str(copy), "--smoke", "--weights", "fp32"])
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("prefill 16 (not the engine's path here)")]
+    assert "the engine's prompt chunks here: KVBOOST_NATIVE_PREFILL=0" in out
+
+
 def test_a_source_that_does_not_build_or_a_missing_revision_is_reported(tmp_path):
     """load_from gives the compiler's reason for a source that does not build (never raises), and
     refuses a variant this CPU lacks and a missing file; native_ab names an --against that is neither
