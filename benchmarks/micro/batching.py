@@ -42,8 +42,10 @@ At a real size (--gguf <a 1.7B-shape file>) 8 warmed ~1k-token prompts can outgr
 the timed waves; --cache-gib sizes every engine's cache_bytes for that:
   python -m benchmarks.micro.batching --weights "" --gguf <file> --cache-gib 6 --sections unshared \
       --out benchmarks/results/batching_1p7b_cache6g.json
-(8 such prompts of 4,000 tokens hold ~12.8 GB of float32 KV: past the default KV pool's cap of half the
-memory on a 24 GB machine, so they would be prefilled again inside the waves.)
+8 such prompts of 4,000 tokens hold ~12.8 GB of float32 KV: past the default KV pool's cap of half the
+memory on a 24 GB machine, so --kv-pool-gib sizes the pool past it (kv_pool_bytes):
+  python -m benchmarks.micro.batching --weights "" --gguf <file> --system-tokens 4000 --cache-gib 14 \
+      --kv-pool-gib 16 --sections unshared --out benchmarks/results/batching_1p7b_unshared_sys4000.json
 Completion mode (--completion; a base model without a chat template, Gemma 3 270M): each chat is the
 plain prompt "<system>\n\nQuestion: <question>\nAnswer:" through engine.stream / generate, the system
 text warmed as a plain prefix; levels and unshared only:
@@ -323,6 +325,8 @@ def main(argv=None) -> None:
                         "float32, float16, bfloat16, int8; default: the model's dtype)")
     parser.add_argument("--cache-gib", type=float, help="our engines' cache_bytes in GiB (default: the engine's, "
                         "2 GiB; at a real size 8 warmed ~1k-token prompts can outgrow it, and are then prefilled again)")
+    parser.add_argument("--kv-pool-gib", type=float, help="our engines' kv_pool_bytes in GiB (default: the engine's, "
+                        "cache_bytes plus two full-window requests, at most half the memory)")
     parser.add_argument("--out", default="benchmarks/results/batching.json")
     parser.add_argument("--completion", action="store_true", help="plain prompts through engine.stream, not chats "
                         "(a base model without a chat template; levels and unshared)")
@@ -344,12 +348,15 @@ def main(argv=None) -> None:
         ENGINE_OPTIONS["kv_dtype"] = args.kv_dtype
     if args.cache_gib is not None:
         ENGINE_OPTIONS["cache_bytes"] = int(args.cache_gib * 1024**3)
+    if args.kv_pool_gib is not None:
+        ENGINE_OPTIONS["kv_pool_bytes"] = int(args.kv_pool_gib * 1024**3)
     names = [w for w in args.weights.split(",") if w] + (["gguf"] if args.gguf else [])
     sections = args.sections.split(",")
     if args.completion and set(sections) - {*PER_WEIGHTS, "llama"}:
         parser.error("--completion runs the levels, unshared and llama sections only")
     result: dict = {"weights": names, "kv_dtype": args.kv_dtype or "model", "system_tokens": SYSTEM_TOKENS,
-                    "cache_bytes": ENGINE_OPTIONS.get("cache_bytes", "default")}
+                    "cache_bytes": ENGINE_OPTIONS.get("cache_bytes", "default"),
+                    "kv_pool_bytes": ENGINE_OPTIONS.get("kv_pool_bytes", "default")}
     for index, name in enumerate(names):
         wanted = [s for s in sections if s in SECTIONS and (s in PER_WEIGHTS or index == 0)]
         if not wanted:

@@ -237,9 +237,10 @@ def test_batching_system_tokens_sets_the_prompt_length_and_refuses_nonsense(tmp_
     monkeypatch.setattr(batching, "ENGINE_OPTIONS", {})
     out = tmp_path / "batching.json"
     batching.main(["--smoke", "--weights", "int4", "--system-tokens", "48", "--sections", "unshared",
-                   "--out", str(out)])
+                   "--kv-pool-gib", "0.5", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["system_tokens"] == 48
+    assert result["kv_pool_bytes"] == 2**29 and result["cache_bytes"] == "default"
     assert result["int4"]["unshared"]["system_tokens_each"] == 48
     assert result["int4"]["unshared"]["greedy_same_as_serial"]
     with pytest.raises(SystemExit):
