@@ -117,10 +117,10 @@ def _llama_tg(result: dict, key: str, pl: int) -> float | None:
     return next((r["speed_tg"] for r in rows if r["pl"] == pl), None)
 
 
-def _llama_pp(result: dict) -> int | str:
-    """llama-batched-bench's prompt length in this run (its rows' pp), or "-" where it did not run."""
+def _llama_prompt(result: dict) -> str:
+    """llama-batched-bench's prompt in this run (its rows' pp), or that it did not run."""
     rows = result.get("llama", {}).get("shared", {}).get("rows", [])
-    return rows[0]["pp"] if rows else "-"
+    return f"its prompt {rows[0]['pp']} tokens, 48 new" if rows else "not run in this run"
 
 
 def summary(result: dict) -> dict:
@@ -151,7 +151,7 @@ def summary(result: dict) -> dict:
     out["llama_tg_tok_s"] = {f"{key}@{pl}": _llama_tg(result, key, pl) for key in ("shared", "unshared") for pl in (1, 8)}
     out["note"] = ("speedup: wall tokens/s of 8 at once over serial (paired, median); decode speed-up: sequences / "
                    "mean gap between tokens; decode_at_8_vs_llama: our decode tok/s at 8 over llama-batched-bench's "
-                   f"speed_tg at -npl 8 with -pps (its prompt {_llama_pp(result)} tokens, 48 new; ours a "
+                   f"speed_tg at -npl 8 with -pps ({_llama_prompt(result)}; ours a "
                    f"system prompt of {result.get('system_tokens', 1000)} tokens + a question, 64 new)")
     return out
 

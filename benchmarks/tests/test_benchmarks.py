@@ -277,3 +277,11 @@ def test_step_read_bytes_leaves_out_a_derived_m_stored_or_not():
     size = lambda t: t.numel() * t.element_size()
     expected = 2 * (size(packed["codes"]) + size(packed["d"])) + size(plain.weight)     # not the stored m
     assert step_read_bytes(nn.Sequential(without_m, with_m, plain)) == expected
+
+
+def test_batching_summary_names_llama_prompt_or_that_it_did_not_run():
+    from benchmarks.micro.batching_report import summary
+
+    ran = {"weights": [], "system_tokens": 48, "llama": {"shared": {"rows": [{"pp": 48, "pl": 8, "speed_tg": 1.0}]}}}
+    assert "(its prompt 48 tokens, 48 new;" in summary(ran)["note"]
+    assert "(not run in this run;" in summary({"weights": [], "system_tokens": 48})["note"]
