@@ -357,6 +357,91 @@ def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
     assert not list((tmp_path / "native").glob("*.so"))
 
 
+def _copy_compile(calls: list):
+    """A stand-in for build._compile: the library this process already built, copied (no compiler run)."""
+    import shutil
+    real, reason = build.load()
+    assert real is not None, reason
+
+    def copy(cxx, path, isa, source=build.SOURCE):
+        calls.append(path.name)
+        shutil.copyfile(real._name, path)
+    return copy
+
+
+def _aged(path, days: float) -> None:
+    """`path` (created empty where absent) last modified `days` ago."""
+    import os
+    import time
+    if not path.exists():
+        path.write_bytes(b"")
+    stamp = time.time() - days * 86400
+    os.utime(path, (stamp, stamp))
+
+
+@needs_cpu
+def test_a_new_build_removes_libraries_unused_for_weeks(tmp_path, monkeypatch):
+    """Building a library removes the others no process has loaded for STALE_DAYS (with their lock
+    files), lock files as old without a library, and staging files a killed build left; it keeps
+    newer ones and anything that is not the native build's."""
+    calls: list = []
+    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    native = tmp_path / "native"
+    native.mkdir()
+    stale, recent = native / f"{build.PREFIX}avx2-00000000.so", native / f"{build.PREFIX}avx2-11111111.so"
+    _aged(stale, build.STALE_DAYS + 1)
+    _aged(native / f".{stale.name}.lock", build.STALE_DAYS + 1)
+    _aged(recent, build.STALE_DAYS - 1)
+    _aged(native / f".{recent.name}.lock", build.STALE_DAYS + 5)        # kept: its library is
+    _aged(native / f".{build.PREFIX}avx2-22222222.so.lock", build.STALE_DAYS + 1)   # a failed build's
+    _aged(native / f".{build.PREFIX}avx2-33333333.so.lock", 1)                     # newer: kept
+    _aged(native / ".build-killed.so", 2)
+    _aged(native / ".build-running.so", 0.01)
+    _aged(native / "notes.txt", 400)
+    lib, reason = build.load()
+    assert lib is not None and len(calls) == 1, reason
+    left = sorted(p.name for p in native.iterdir())
+    assert left == sorted([calls[0], f".{calls[0]}.lock", recent.name, f".{recent.name}.lock",
+                           f".{build.PREFIX}avx2-33333333.so.lock", ".build-running.so", "notes.txt"])
+
+
+@needs_cpu
+def test_a_load_marks_its_library_used_and_a_pruned_one_is_built_again(tmp_path, monkeypatch):
+    """Each load sets its library's mtime, so a build in another process keeps it; a library removed
+    between the check and the open (another process's prune) is built again, not a failure."""
+    calls: list = []
+    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    lib, reason = build.load()
+    assert lib is not None, reason
+    path = tmp_path / "native" / calls[0]
+    _aged(path, build.STALE_DAYS + 10)
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load()[0] is not None and len(calls) == 1          # loaded as it was, not built
+    assert build.prune(tmp_path / "native" / "another.so") == [] and path.exists()
+
+    # a library this process has not opened (dlopen would reuse an open one by its path), found,
+    # then removed by another process before the open
+    import shutil
+    other = tmp_path / "other" / "native"
+    other.mkdir(parents=True)
+    shutil.copyfile(path, other / path.name)
+    real_mark = build._mark_used
+
+    def pruned_meanwhile(p):
+        real_mark(p)
+        if len(calls) == 1:
+            p.unlink()
+    monkeypatch.setattr(build, "_mark_used", pruned_meanwhile)
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "other"))
+    monkeypatch.setattr(build, "_loaded", {})
+    lib, reason = build.load()
+    assert lib is not None and reason is None and len(calls) == 2 and (other / path.name).exists()
+
+
 @needs_cpu
 def test_int4_requests_decoding_together_match_each_alone():
     """Up to batch_limit int4 sequences decoding together take one native step over all of them,

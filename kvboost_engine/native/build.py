@@ -14,6 +14,11 @@ raised: callers fall back to the PyTorch path.
 It is built with OpenMP: its `libgomp.so.1` is, by soname, the one PyTorch's Linux wheels ship and
 have already loaded, so a step runs on the calling thread's own OpenMP team, the threads its
 PyTorch ops use (a second runtime's threads would compete with them for the cores).
+
+Every version of the source leaves a library of its own (each upgrade, each benchmark's copy): a new
+build removes the libraries beside it that no process has loaded for STALE_DAYS (a load marks its
+library used) with their lock files, and staging files a killed build left. A process that found a
+library and then lost it to such a prune before opening it builds it again.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import xxhash
@@ -44,6 +50,8 @@ ISAS = {
     "avx2": (("-mavx2", "-mfma", "-mf16c", "-DKVB_ISA_AVX2"), ("avx2", "fma", "f16c")),
 }
 ENV = "KVBOOST_NATIVE_ISA"
+STALE_DAYS = 30          # a library no process has loaded for this long goes when a new one is built
+PREFIX = "kvboost-decode-"
 log = logging.getLogger(__name__)
 _loaded: dict = {}
 _lock = threading.Lock()
@@ -117,7 +125,7 @@ def runs_here() -> bool:
 def library_path(cxx: str, isa: str, source: Path = SOURCE) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = xxhash.xxh3_64_hexdigest("\0".join([source.read_text(), cxx, *version, *FLAGS, *ISAS[isa][0]]).encode())
-    return cache_home() / "native" / f"kvboost-decode-{isa}-{key}.so"
+    return cache_home() / "native" / f"{PREFIX}{isa}-{key}.so"
 
 
 def load(isa: str | None = None) -> tuple[object | None, str | None]:
@@ -160,14 +168,23 @@ def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str
     if cxx is None:
         return None, "no C++ compiler found (set CXX, or install g++)"
     path = library_path(cxx, isa, source)
-    try:
-        if not path.exists():
-            with build_lock(path):
-                if not path.exists():
-                    _compile(cxx, path, isa, source)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        return None, f"building {source.name} ({isa}) failed: {err}"
+    for attempt in range(2):
+        try:
+            if not path.exists():
+                with build_lock(path):
+                    if not path.exists():
+                        _compile(cxx, path, isa, source)
+                        prune(path)
+            _mark_used(path)
+        except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+            return None, f"building {source.name} ({isa}) failed: {err}"
+        try:
+            lib = ctypes.CDLL(str(path))
+            break
+        except OSError as err:
+            if attempt == 0 and not path.exists():     # pruned by another process between the check and
+                continue                               # the load (unused for weeks until now): build it again
+            return None, f"loading {path.name} ({isa}) failed: {err}"
     if lib.kvb_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.kvb_abi_version()}, expected {ABI_VERSION}"
     _declare(lib)
@@ -178,6 +195,54 @@ def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str
     if lib.isa != isa:
         return None, f"{path} was built for {lib.isa}, not {isa}"
     return lib, None
+
+
+def _mark_used(path: Path) -> None:
+    """The library's mtime set to now: loaded, so not stale (prune). Best effort: a read-only cache
+    still loads, and a library gone here fails to open, which the caller handles."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def prune(keep: Path, days: float = STALE_DAYS) -> list[str]:
+    """Remove from `keep`'s folder the libraries (other than `keep`) unused for `days` (by mtime: set
+    when built and at each load), their lock files and lock files as old with no library (a failed
+    build's), and the staging files of builds killed over a day ago; the names removed. Anything
+    another process removes first, or that cannot be removed, is passed over. A lock file is removed
+    only with its target unused for weeks: were a build of that target under way, a second process
+    could build it beside it, each into its own staging file, one replacing the other (the same bytes)."""
+    now = time.time()
+    cutoff, staging_cutoff = now - days * 86400, now - 86400
+    removed = []
+    try:
+        entries = list(keep.parent.iterdir())
+    except OSError:
+        return removed
+    names = {entry.name for entry in entries}
+    for entry in entries:
+        name = entry.name
+        if entry == keep:
+            continue
+        library = name.startswith(PREFIX) and name.endswith(".so")
+        orphan_lock = (name.startswith("." + PREFIX) and name.endswith(".so.lock")
+                       and name[1:-len(".lock")] not in names)
+        staging = name.startswith(".build-") and name.endswith(".so")
+        if not (library or orphan_lock or staging):
+            continue
+        try:
+            if entry.stat().st_mtime >= (staging_cutoff if staging else cutoff):
+                continue
+            entry.unlink()
+            removed.append(name)
+            if library:
+                (entry.parent / f".{name}.lock").unlink(missing_ok=True)
+        except OSError:
+            continue
+    if removed:
+        log.info("kvboost native: removed %d files unused for %s days from %s", len(removed), days, keep.parent)
+    return removed
 
 
 def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
