@@ -286,7 +286,7 @@ class Engine:
         with self._counter_lock:
             counters = dict(self._counters)
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
-        native = native_stats(self._native, self._native_off)
+        native = native_stats(self._native, self._native_off, self._parts.prefill.runner.forward_pass.fallbacks)
         return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native,
                 "kv_dtype": str(self.adapter.geometry.dtype).removeprefix("torch.")}
 

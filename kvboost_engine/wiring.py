@@ -205,16 +205,19 @@ def native_decoder_for(config: EngineConfig, adapter: ModelAdapter):
     return decoder, reason
 
 
-def native_stats(decoder, reason: str | None) -> dict:
+def native_stats(decoder, reason: str | None, fallbacks: dict | None = None) -> dict:
     """stats()'s native entries: whether the native step runs, its instruction-set variant
     (native_isa), and why it is off (native_decode_off); whether prompt chunks run natively
     (native_prefill) and why not (native_prefill_off); whether one-row attention asks for KV rows
     ahead (native_kv_ahead, decoder.kv_ahead); whether int8 keys are scored against int8 queries
-    (native_int8_queries, decoder.int8_queries)."""
+    (native_int8_queries, decoder.int8_queries); the steps of one sequence (a token or a prompt
+    chunk) that took the PyTorch layer loop all the same, by reason (native_fallback_steps,
+    Forward.fallbacks: KV blocks spilled to disk, ...)."""
     if decoder is None:
         return {"native_decode": False, "native_isa": None, "native_decode_off": reason}
     out = {"native_decode": True, "native_isa": decoder.isa, "native_prefill": decoder.native_prefill,
-           "native_kv_ahead": decoder.kv_ahead, "native_int8_queries": decoder.int8_queries}
+           "native_kv_ahead": decoder.kv_ahead, "native_int8_queries": decoder.int8_queries,
+           "native_fallback_steps": dict(fallbacks or {})}
     if not decoder.native_prefill:
         out["native_prefill_off"] = decoder.prefill_off
     return out

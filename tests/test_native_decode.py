@@ -451,3 +451,4 @@ def test_int4_requests_decoding_together_match_each_alone():
     serial, together = serial_and_together(engine)
     assert together == serial
     assert engine.cache.pool.usage()["in_use"] == 0
+    assert engine.stats()["native_fallback_steps"] == {}      # every step native, alone or together

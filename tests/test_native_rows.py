@@ -168,6 +168,74 @@ def test_forward_batch_takes_the_native_step_with_serial_numbers(tmp_path, weigh
 
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
+def test_a_spilled_sequence_leaves_the_rest_of_the_step_native(tmp_path, weights):
+    """A sequence whose KV blocks are spilled to disk cannot take the native step: it alone takes
+    the layer loop (counted in Forward.fallbacks with its reason), and the sequences beside it keep
+    the native step, so their numbers do not depend on who shares their step; more decoding
+    sequences than batch_limit take several native steps, with the same numbers."""
+    from kvboost_engine.kv.paged import PagedSequence
+    from kvboost_engine.kv.pool import BlockPool
+    model = make(weights, "llama", {}, tmp_path)
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    forward = Forward(adapter, fast_decode=decoder)
+    g, block = adapter.geometry, 4
+    pool = BlockPool(g, 12 * block * g.bytes_per_token, adapter.device, block_tokens=block,
+                     spill_dir=str(tmp_path / "spill"), spill_bytes=64 * block * g.bytes_per_token)
+    sequences = []
+    for _ in range(4):
+        sequence = PagedSequence(pool, 24)
+        sequence.reserve()
+        sequences.append(sequence)
+    a, c, a_spilled, b = sequences                      # 12 blocks of RAM: a and c; the others spill
+    assert decoder.refusal(a, 16) is None and decoder.refusal(b, 16) == "KV blocks spilled to disk"
+    with torch.inference_mode():
+        for kv in sequences:
+            forward(kv, PROMPT[:16], 0)
+        before = dict(forward.fallbacks)
+        b_alone = forward(b, [8], 16).clone()           # the layer loop
+        with_c = [t.clone() for t in forward.batch([(a, [7], 16), (c, [8], 16)], [True, True])]
+        with_b = [t.clone() for t in forward.batch([(a, [7], 16), (b, [8], 16)], [True, True])]
+        decoder.batch_limit = 1                          # a and c in two native steps
+        split = forward.batch([(a, [7], 16), (c, [8], 16)], [True, True])
+    assert torch.equal(with_c[0], with_b[0]) and torch.equal(with_b[1], b_alone)
+    assert all(torch.equal(x, y) for x, y in zip(with_c, split))
+    spilled = forward.fallbacks["KV blocks spilled to disk"] - before.get("KV blocks spilled to disk", 0)
+    assert spilled == 2                                  # b alone, b in the batch; a and c never
+
+
+def test_a_length_dependent_rotary_is_computed_per_chunk_and_per_sequence(monkeypatch):
+    """longrope chooses its frequencies by a call's largest position (HF's dynamic update): the native
+    prefill computes a chunk's cos / sin in one call over the chunk, as the PyTorch loop does (per
+    row, the rows before original_max_position_embeddings took the short factors: another argmax),
+    and the PyTorch loop over several sequences computes each sequence's as alone (not by the
+    largest position of the whole batch)."""
+    monkeypatch.setenv("KVBOOST_NATIVE_PREFILL", "1")            # float32 chunks natively on any CPU
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [8.0] * 8, "original_max_position_embeddings": 16}
+    model = tiny_model("llama", seed=5, hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
+                       rope_parameters=rope)
+    adapter = ModelAdapter(model)
+    assert not adapter.static_rope
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None and decoder.native_prefill, reason
+    loop, native = Forward(adapter), Forward(adapter, fast_decode=decoder)
+    prompt = (PROMPT * 2)[:24]                                   # past original_max_position_embeddings
+    kvs = [_contiguous(adapter) for _ in range(4)]
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt])).logits[0, -1]
+        by_loop, by_native = loop(kvs[0], prompt, 0), native(kvs[1], prompt, 0)
+        short_alone = loop(kvs[2], prompt[:10], 0)
+        loop(kvs[3], prompt[:20], 0)
+        short_beside_long = loop.batch([(kvs[3], [prompt[20]], 20), (_contiguous(adapter), prompt[:10], 0)],
+                                       [True, True])[1]
+    assert torch.allclose(by_loop, reference, atol=1e-5) and torch.allclose(by_native, reference, atol=1e-4)
+    assert by_native.argmax() == reference.argmax()
+    assert torch.allclose(short_beside_long, short_alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
 @pytest.mark.parametrize("model_type,overrides", [ARCHS[0], ARCHS[3]], ids=[ARCH_IDS[0], ARCH_IDS[3]])
 def test_rows_over_shared_prefix_blocks_match_serial_steps(tmp_path, weights, model_type, overrides):
     """Sequences mapping the same cached blocks (a shared prompt of 300 tokens: a whole key block of

@@ -54,6 +54,7 @@ LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
 # takes only these, through `ModelAdapter.layer_parts`.
 PLAIN_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 PLAIN_ACTS = ("silu", "gelu_pytorch_tanh")      # the MLP activations of those
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")    # rope types whose inv_freq does not depend on the length
 
 
 @dataclass(slots=True, frozen=True)
@@ -198,6 +199,15 @@ class ModelAdapter:
             else:
                 out[kind] = (getattr(self.rotary, f"{kind}_original_inv_freq"), params.get(kind) or {})
         return out
+
+    @property
+    def static_rope(self) -> bool:
+        """Whether every rotary kind's frequencies are the same whatever the sequence length (default,
+        linear, llama3, yarn): a position's cos / sin then do not depend on the other positions of a
+        call. longrope and dynamic choose theirs by the call's largest position."""
+        params = self.rope_settings()
+        kinds = [params if kind is None else (params.get(kind) or {}) for kind in set(self.layer_rope_kinds)]
+        return all(str(p.get("rope_type", "default")) in STATIC_ROPE for p in kinds)
 
     def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
         """cos/sin for `positions` [1, N] per rope kind, computed by the model's own rotary module

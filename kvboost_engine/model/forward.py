@@ -34,15 +34,15 @@ def use_kvboost_attention(model: torch.nn.Module) -> None:
 
 
 class FastDecode(Protocol):
-    batch_limit: int        # up to this many decoding sequences take one fast step together (decode_rows)
+    batch_limit: int        # decoding sequences per fast step (decode_rows); more take several steps
     native_prefill: bool    # False: prompt chunks of more than one token take the layer loop, not prefill()
 
     def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
         """Compute one token at `position` over `kv` (its KV written in place) and return logits
         [vocab] (fp32), or None when it cannot run on this KV (the layer loop runs instead)."""
 
-    def accepts(self, kv, position: int) -> bool:
-        """Whether a step at `position` can run on `kv`."""
+    def refusal(self, kv, position: int) -> str | None:
+        """Why a step at `position` cannot run on `kv` (None: it can)."""
 
     def decode_rows(self, items: list[tuple]) -> list[torch.Tensor] | None:
         """One step over several sequences, items (kv, token_id, position): each one's logits, the
@@ -57,25 +57,35 @@ class Forward:
     """Runs new tokens over a sequence's KV and returns last-position logits.
 
     `fast_decode` (optional; native/decoder.py) takes plain steps: a token or a chunk of one
-    sequence, a token of each of several; any step it cannot run takes the layer loop."""
+    sequence, a token of each of several; any step it cannot run takes the layer loop, counted by
+    reason in `fallbacks` (sequence steps; prompt chunks that take the loop by design, where
+    `fast_decode.native_prefill` is False, are not counted)."""
 
     def __init__(self, adapter: ModelAdapter, fast_decode: FastDecode | None = None):
         self.adapter = adapter
         self.fast_decode = fast_decode
+        self.fallbacks: dict[str, int] = {}
+        self._static_rope = adapter.static_rope
         use_kvboost_attention(adapter.model)
+
+    def _fell_back(self, reason: str | None) -> None:
+        reason = reason or "the fast step declined"
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     @torch.inference_mode()
     def __call__(self, kv, token_ids: list[int], start: int) -> torch.Tensor:
         """Compute KV for `token_ids` at positions start.. and return logits [vocab] (fp32)."""
-        if self.fast_decode is not None:
-            if len(token_ids) == 1:
-                logits = self.fast_decode(kv, token_ids[0], start)
-            elif self.fast_decode.native_prefill:
-                logits = self.fast_decode.prefill(kv, token_ids, start)
-            else:
-                logits = None                   # prompt chunks on the layer loop (fast_decode.prefill_off)
+        fast = self.fast_decode
+        if fast is not None and (len(token_ids) == 1 or fast.native_prefill):
+            # (prompt chunks take the layer loop where native_prefill is off: fast_decode.prefill_off)
+            logits = fast(kv, token_ids[0], start) if len(token_ids) == 1 else fast.prefill(kv, token_ids, start)
             if logits is not None:
                 return logits
+            self._fell_back(fast.refusal(kv, start + len(token_ids) - 1))
+        return self._loop(kv, token_ids, start)
+
+    def _loop(self, kv, token_ids: list[int], start: int) -> torch.Tensor:
+        """The layer loop over one sequence's new tokens: logits [vocab] after the last."""
         a = self.adapter
         end = start + len(token_ids)
         ids = torch.tensor([token_ids], dtype=torch.long, device=a.device)          # [1, N]
@@ -130,26 +140,41 @@ class Forward:
         """One forward over several sequences: items are (kv, token_ids, start); returns the logits
         [vocab] (fp32) after each item's last token where `want_logits`, else None. The weights are
         read once for all of them; each sequence attends over its own KV. A single item takes the
-        single-sequence path (the same numbers as before batching), and up to
-        `fast_decode.batch_limit` sequences the fast step (decoding ones in one step together)."""
+        single-sequence path (the same numbers as before batching). With `fast_decode`, the decoding
+        sequences it accepts take its step, `batch_limit` at a time, and its chunks as alone (the fast
+        step is batch-invariant: every row's numbers as in its own step, whatever shares the step);
+        only the items it refuses (KV spilled to disk) take the layer loop, together."""
         if len(items) == 1:
             kv, token_ids, start = items[0]
             return [self(kv, token_ids, start)]
-        fast = self.fast_decode
-        if (fast is not None and len(items) <= fast.batch_limit
-                and all(fast.accepts(kv, start + len(ids) - 1) for kv, ids, start in items)):
-            # decoding sequences in one fast step, chunks one fast prefill each: every row's numbers
-            # as in its own step (the fast step is batch-invariant)
-            decoding = [i for i, (_, ids, _) in enumerate(items) if len(ids) == 1]
-            logits = [None] * len(items)
-            if decoding:
-                rows = fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in decoding])
-                for i, out in zip(decoding, rows):
+        fast, logits = self.fast_decode, [None] * len(items)
+        rest = list(range(len(items)))
+        if fast is not None:
+            refused = [fast.refusal(kv, start + len(ids) - 1) for kv, ids, start in items]
+            decoding = [i for i in rest if len(items[i][1]) == 1 and refused[i] is None]
+            for lo in range(0, len(decoding), fast.batch_limit):
+                part = decoding[lo:lo + fast.batch_limit]
+                rows = fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in part])
+                for i, out in zip(part, rows or ()):
                     logits[i] = out
+                if rows is None:
+                    for i in part:
+                        refused[i] = "the fast step declined"
             for i, (kv, ids, start) in enumerate(items):
-                if len(ids) > 1:            # as alone: the fast prefill, or the layer loop where it is off
-                    logits[i] = fast.prefill(kv, ids, start) if fast.native_prefill else self(kv, ids, start)
-            return [out if want else None for out, want in zip(logits, want_logits)]
+                if len(ids) > 1 and refused[i] is None:
+                    logits[i] = self(kv, ids, start)      # as alone: the fast prefill, or the layer loop where it is off
+            rest = [i for i in rest if refused[i] is not None]
+            for i in rest:
+                self._fell_back(refused[i])
+        if len(rest) == 1:
+            logits[rest[0]] = self._loop(*items[rest[0]])
+        elif rest:
+            for i, out in zip(rest, self._loop_batch([items[i] for i in rest], [want_logits[i] for i in rest])):
+                logits[i] = out
+        return [out if want else None for out, want in zip(logits, want_logits)]
+
+    def _loop_batch(self, items: list[tuple], want_logits: list[bool]) -> list:
+        """The layer loop over several sequences at once (batch()'s items), each over its own KV."""
         a = self.adapter
         rows, steps, positions, lo = [], [], [], 0
         for kv, token_ids, start in items:
@@ -160,9 +185,14 @@ class Forward:
             lo += len(token_ids)
         ids = torch.tensor([[t for _, token_ids, _ in items for t in token_ids]], dtype=torch.long,
                            device=a.device)                                                 # [1, T]
-        positions = torch.cat(positions)[None]                                              # [1, T]
         hidden = a.embed(ids)                                                               # [1, T, hidden]
-        rope = a.position_embeddings(hidden, positions)
+        if self._static_rope:
+            rope = a.position_embeddings(hidden, torch.cat(positions)[None])
+        else:       # longrope / dynamic: each sequence's cos / sin as alone (a call's largest position chooses)
+            ropes = [a.position_embeddings(hidden[:, lo:hi], p[None]) for (lo, hi), p in zip(rows, positions)]
+            rope = {kind: tuple(torch.cat([r[kind][j] for r in ropes], dim=1) for j in range(len(ropes[0][kind])))
+                    for kind in ropes[0]}
+        positions = torch.cat(positions)[None]                                              # [1, T]
         step = BatchStep(steps, rows)
         for layer_idx in range(len(a.layers)):
             hidden = a.run_layer(layer_idx, hidden, rope, positions, step)

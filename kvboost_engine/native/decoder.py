@@ -44,7 +44,6 @@ from . import abi, build
 from .matrices import ABSENT, embeds_from_head, float_matrix, joined, packed, weights_kind
 
 TILE, BLOCK = 16, 32
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")    # inv_freq does not depend on the sequence length
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
 PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
 
@@ -120,7 +119,7 @@ class NativeDecoder:
         self.kv_dtype = g.dtype                                 # float32, float16 / bfloat16 or int8 (kv_dtype)
         self.kind = weights_kind(adapter)
         # Sequences decoding together: up to this many take one native step over all of them (one
-        # row each, each row's numbers the same as its step alone); more take the PyTorch batch.
+        # row each, each row's numbers the same as its step alone); more take several such steps.
         self.batch_limit = 64
         # why prompt chunks of more than one token take the PyTorch loop, not prefill() (None: they do not)
         self.prefill_off = float_prefill_off() if self.kind == "float" else None
@@ -161,8 +160,7 @@ class NativeDecoder:
         self._embed_native = embeds_from_head(adapter, self.kind)
         self.threads = threads
         self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
-        self._static_rope = all(str(params.get("rope_type", "default")) in STATIC_ROPE
-                                for _, params in adapter.rope_kinds().values())
+        self._static_rope = adapter.static_rope
         self._tables = None                                   # per kind: cos, sin [positions, head_dim]
         self._strides = {}
 
@@ -178,48 +176,65 @@ class NativeDecoder:
 
     def _rotary(self, position: int) -> list[torch.Tensor]:
         """cos, sin [head_dim] at `position` of each rotary kind (in self._kinds order), from the
-        model's own rotary module."""
+        model's own rotary module: a decode step's, as the PyTorch path computes a one-token step's."""
+        return self._rotary_span(position, 1)[0]
+
+    def _rotary_span(self, start: int, count: int) -> list[list[torch.Tensor]]:
+        """Each of positions start..start+count-1: its cos, sin [head_dim] of each rotary kind. A
+        rotary whose frequencies depend on the sequence length (longrope, dynamic) is computed in one
+        call over the span, as the PyTorch path computes a prompt chunk's (the length its last
+        position gives chooses the frequencies of every row); the others come from a table."""
         a = self.adapter
         if not self._static_rope:
-            tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.tensor([[position]]))
-            return [t[0, 0].float().contiguous() for kind in self._kinds for t in tables[kind]]
-        if self._tables is None or position >= self._tables[0].shape[0]:
-            end = (position // ROPE_TABLE + 1) * ROPE_TABLE
+            tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(start, start + count)[None])
+            span = [t[0].float().contiguous() for kind in self._kinds for t in tables[kind]]
+            return [[t[i] for t in span] for i in range(count)]
+        end = start + count
+        if self._tables is None or end > self._tables[0].shape[0]:
+            end = ((end - 1) // ROPE_TABLE + 1) * ROPE_TABLE
             tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(end)[None])
             self._tables = [t[0].float().contiguous() for kind in self._kinds for t in tables[kind]]
-        return [t[position] for t in self._tables]
+        return [[t[p] for t in self._tables] for p in range(start, start + count)]
 
     def _view(self, kv, position: int):
-        view = kv.slot_view() if hasattr(kv, "slot_view") else None
+        return self._view_or_why(kv, position)[0]
+
+    def _view_or_why(self, kv, position: int) -> tuple:
+        """(the KV's (RAM, slots) view, None), or (None, why a step at `position` cannot run on it)."""
+        if not hasattr(kv, "slot_view"):
+            return None, f"KV without slots ({type(kv).__name__})"
+        view = kv.slot_view()
         if view is None:
-            return None
+            return None, "KV blocks spilled to disk"
         ram, slots = view
-        if ram.dtype != self.kv_dtype or ram.stride(-1) != 1 or slots.dtype != torch.int64 or position >= len(slots):
-            return None
-        return view
+        if ram.dtype != self.kv_dtype or ram.stride(-1) != 1 or slots.dtype != torch.int64:
+            return None, f"KV stored as {ram.dtype} with strides {tuple(ram.stride())} (the step reads {self.kv_dtype} rows)"
+        if position >= len(slots):
+            return None, "a position past the KV's slots"
+        return view, None
 
-    def accepts(self, kv, position: int) -> bool:
-        """Whether a step at `position` can run on this KV (else the PyTorch path must)."""
-        return self._view(kv, position) is not None
+    def refusal(self, kv, position: int) -> str | None:
+        """Why a step at `position` cannot run on this KV (None: it can); stats() counts these."""
+        return self._view_or_why(kv, position)[1]
 
-    def _row(self, view, position: int, want: bool, keep: list) -> abi.Row:
+    def _row(self, view, position: int, want: bool, tables: list, keep: list) -> abi.Row:
         ram, slots = view
         strides = self._strides.get(ram.stride())
         if strides is None:
             strides = self._strides[ram.stride()] = _longs(ram.stride()[:4])
-        tables = self._rotary(position)                          # cos, sin of each kind
-        keep += tables
+        keep += tables                                          # cos, sin of each kind
         cos, sin, cos2, sin2 = (tables * 2)[:4]                 # one kind: its pair twice
         return abi.Row(ram.data_ptr(), ctypes.addressof(strides), slots.data_ptr(), position, cos.data_ptr(),
                        sin.data_ptr(), int(want), cos2.data_ptr(), sin2.data_ptr())
 
     def _step(self, rows: list[tuple], token_ids: list[int]) -> torch.Tensor:
-        """One native step: rows (KV view, position, logits wanted) with their tokens -> the wanted
-        rows' logits [wanted, vocab]; every row's K and V are written before any row attends."""
+        """One native step: rows (KV view, position, logits wanted, the position's cos / sin of each
+        rotary kind) with their tokens -> the wanted rows' logits [wanted, vocab]; every row's K and V
+        are written before any row attends."""
         keep: list = []
-        array = (abi.Row * len(rows))(*(self._row(view, p, want, keep) for view, p, want in rows))
+        array = (abi.Row * len(rows))(*(self._row(view, p, want, tables, keep) for view, p, want, tables in rows))
         x = self._embed(token_ids)
-        logits = torch.empty(sum(bool(want) for *_, want in rows), self.vocab, dtype=torch.float32)
+        logits = torch.empty(sum(bool(want) for _, _, want, _ in rows), self.vocab, dtype=torch.float32)
         self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
         cap = self.adapter.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap      # as ModelAdapter.logits_at
@@ -238,7 +253,7 @@ class NativeDecoder:
     @torch.inference_mode()
     def __call__(self, kv, token_id: int, position: int) -> torch.Tensor | None:
         view = self._view(kv, position)
-        return None if view is None else self._step([(view, position, True)], [token_id])[0]
+        return None if view is None else self._step([(view, position, True, self._rotary(position))], [token_id])[0]
 
     @torch.inference_mode()
     def decode_rows(self, items: list[tuple]) -> list[torch.Tensor] | None:
@@ -247,7 +262,8 @@ class NativeDecoder:
         views = [self._view(kv, position) for kv, _, position in items]
         if any(view is None for view in views):
             return None
-        return list(self._step([(view, p, True) for view, (_, _, p) in zip(views, items)], [t for _, t, _ in items]))
+        rows = [(view, p, True, self._rotary(p)) for view, (_, _, p) in zip(views, items)]
+        return list(self._step(rows, [t for _, t, _ in items]))
 
     @torch.inference_mode()
     def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
@@ -256,11 +272,11 @@ class NativeDecoder:
         view = self._view(kv, start + len(token_ids) - 1)
         if view is None:
             return None
-        self._rotary(start + len(token_ids) - 1)                  # the rotary table extended once
+        tables = self._rotary_span(start, len(token_ids))       # the chunk's, in one call (as the PyTorch path)
         for lo in range(0, len(token_ids), PREFILL_ROWS):
             chunk = token_ids[lo:lo + PREFILL_ROWS]
             last = lo + len(chunk) == len(token_ids)
-            rows = [(view, start + lo + i, last and i == len(chunk) - 1) for i in range(len(chunk))]
+            rows = [(view, start + lo + i, last and i == len(chunk) - 1, tables[lo + i]) for i in range(len(chunk))]
             logits = self._step(rows, chunk)
         return logits[0]
 
