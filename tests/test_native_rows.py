@@ -205,6 +205,36 @@ def test_a_spilled_sequence_leaves_the_rest_of_the_step_native(tmp_path, weights
     assert spilled == 2                                  # b alone, b in the batch; a and c never
 
 
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_steps_keep_their_attention_partials_within_a_budget(tmp_path, monkeypatch, weights):
+    """A step's attention partials grow with rows x context and stay allocated: past PARTIALS_BYTES a
+    prompt chunk or a batch takes several steps (a row alone whatever its own), the same numbers."""
+    from kvboost_engine.native import decoder as native
+    model = make(weights, "llama", {}, tmp_path)
+    adapter = ModelAdapter(model)
+    decoder, reason = native_decoder(adapter, threads=2)
+    assert decoder is not None, reason
+    row_at_40 = decoder._partials(40)
+    assert row_at_40 == adapter.config.num_attention_heads * adapter.geometry.head_dim * 4   # one key block
+    sizes, step = [], decoder._step
+    monkeypatch.setattr(decoder, "_step", lambda rows, ids: sizes.append(len(rows)) or step(rows, ids))
+    kvs, prompt = [_contiguous(adapter) for _ in range(4)], (PROMPT * 2)[:40]
+    with torch.inference_mode():
+        whole = decoder.prefill(kvs[0], prompt, 0)
+        together = decoder.decode_rows([(kvs[0], 7, 40), (kvs[1], 8, 0), (kvs[2], 9, 0)])
+        monkeypatch.setattr(native, "PARTIALS_BYTES", 3 * row_at_40)
+        assert decoder._split([5, 6, 7, 8, 9, 300, 301], 128) == [(0, 3), (3, 5), (5, 6), (6, 7)]
+        sizes.clear()
+        split = decoder.prefill(kvs[3], prompt, 0)
+        assert sizes == [3] * 13 + [1]
+        monkeypatch.setattr(native, "PARTIALS_BYTES", 2 * row_at_40)
+        sizes.clear()
+        apart = decoder.decode_rows([(kvs[3], 7, 40), (kvs[1], 8, 0), (kvs[2], 9, 0)])
+        assert sizes == [2, 1]
+    assert torch.equal(whole, split) and all(torch.equal(a, b) for a, b in zip(together, apart))
+    assert all(torch.equal(a, b) for a, b in zip(_kv_state(kvs[0], adapter, 41), _kv_state(kvs[3], adapter, 41)))
+
+
 def test_a_length_dependent_rotary_is_computed_per_chunk_and_per_sequence(monkeypatch):
     """longrope chooses its frequencies by a call's largest position (HF's dynamic update): the native
     prefill computes a chunk's cos / sin in one call over the chunk, as the PyTorch loop does (per

@@ -35,76 +35,21 @@ of them in float32, or every one of them packed.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from ..model.arch import ModelAdapter
 from . import abi, build
 from .matrices import ABSENT, embeds_from_head, float_matrix, joined, packed, weights_kind
+from .support import KV_AHEAD_ENV, PREFILL_ENV, float_prefill_off, kv_ahead, unsupported_reason  # noqa: F401 (ENVs read here)
 
-TILE, BLOCK = 16, 32
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
 PREFILL_ROWS = 128                                  # rows per native step of a prompt chunk (scratch memory)
-
-
-PREFILL_ENV = "KVBOOST_NATIVE_PREFILL"      # "1" / "0": float32 prompt chunks natively or not, whatever the CPU
-KV_AHEAD_ENV = "KVBOOST_NATIVE_KV_AHEAD"    # "1" / "0": one-row attention asks for KV rows ahead or not
-
-
-def float_prefill_off() -> str | None:
-    """Why a float32 model's prompt chunks take the PyTorch layer loop rather than the native step
-    (None: natively). On Intel CPUs PyTorch's MKL float32 products run prompt chunks faster than
-    the native step's FMA loops (1,000 tokens of the default model: 1.2 against 1.7-1.9 s on a
-    2-core Xeon); elsewhere (MKL's AMD path, no MKL) the native step runs them. Decode steps of
-    one or several sequences stay native. $KVBOOST_NATIVE_PREFILL=1 / 0 decides instead."""
-    wanted = os.environ.get(PREFILL_ENV)
-    if wanted in ("0", "1"):
-        return None if wanted == "1" else f"{PREFILL_ENV}=0"
-    if torch.backends.mkl.is_available() and build.cpu_vendor() == "GenuineIntel":
-        return "float32 prompt chunks run PyTorch's MKL products (faster than the native step on Intel CPUs)"
-    return None
-
-
-def kv_ahead() -> bool:
-    """Whether one-row attention (a row over its own KV: serial decode, unshared batches, long
-    contexts) asks for the KV rows ahead of their use in every block (software prefetch; the same
-    numbers either way). Yes except on AMD CPUs: on a 2-core Intel Xeon it made a 1-row step at a 1k
-    context 24 % faster; on a 2-core AMD Zen 4 the hardware prefetchers alone stream the KV faster
-    (the default int4 step 7-10 % faster at 1 row and 12-15 % at 8 rows with nothing shared without
-    it, in paired runs), so there only runs of 64 keys or fewer, one query head per KV head and int8
-    KV ask (decode.cpp attend_block). $KVBOOST_NATIVE_KV_AHEAD=1 / 0 decides instead. Rows that share a key
-    block keep their requests (they pay there on both CPUs)."""
-    wanted = os.environ.get(KV_AHEAD_ENV)
-    if wanted in ("0", "1"):
-        return wanted == "1"
-    return build.cpu_vendor() != "AuthenticAMD"
-
-
-def unsupported_reason(adapter: ModelAdapter) -> str | None:
-    """Why the native step cannot run this model (None: it can)."""
-    _, reason = adapter.plain_llama()
-    if reason is not None:
-        return reason
-    if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
-        return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
-    if adapter.geometry.dtype not in abi.KV_TYPES:
-        return f"KV in {adapter.geometry.dtype} (the step reads float32, float16, bfloat16 or int8 KV)"
-    if getattr(adapter.model, "kvboost_streamer", None) is not None:
-        return "layers are streamed"
-    kind = weights_kind(adapter)
-    if kind is None:
-        return ('needs every decoder linear layer and the head in float32, or the layers in int4 and the '
-                'head in int8 (weights="int4"), or all of them packed (PackedLinear)')
-    for i in range(len(adapter.layers)):
-        if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in adapter.layer_parts(i).linears):
-            return "a layer's shape is not a multiple of 16 rows x 32 columns"
-    head = adapter.lm_head
-    if kind == "int4" and (head.out_features % TILE or head.in_features % BLOCK):
-        return "the output head's shape is not a multiple of 16 rows x 32 columns"
-    if len(set(adapter.layer_rope_kinds)) > 2:
-        return "more than two rotary kinds"
-    return None
+KEY_BLOCK = 256                                     # keys per attention task (decode.cpp KEY_BLOCK)
+# A step's attention partials (decode.cpp part_o: head_dim floats per query head, key block and row,
+# kept by the library from step to step) at most this many bytes, past a single row: at long contexts
+# a step takes fewer rows (128 rows at 128k tokens of 32 heads x 128 would hold 1 GiB), the same numbers.
+PARTIALS_BYTES = 256 << 20
 
 
 class NativeDecoder:
@@ -162,6 +107,7 @@ class NativeDecoder:
         self.isa = getattr(lib, "isa", None)                 # the instruction-set variant (build.ISAS)
         self._static_rope = adapter.static_rope
         self._tables = None                                   # per kind: cos, sin [positions, head_dim]
+        self._block_partials = plain.heads * g.head_dim * 4   # bytes of a row's partials per key block
         self._strides = {}
 
     @property
@@ -227,6 +173,22 @@ class NativeDecoder:
         return abi.Row(ram.data_ptr(), ctypes.addressof(strides), slots.data_ptr(), position, cos.data_ptr(),
                        sin.data_ptr(), int(want), cos2.data_ptr(), sin2.data_ptr())
 
+    def _partials(self, position: int) -> int:
+        """Bytes of attention partials a row at `position` takes in a step (decode.cpp step())."""
+        return self._block_partials * ((position + KEY_BLOCK) // KEY_BLOCK)
+
+    def _split(self, positions: list[int], most: int) -> list[tuple[int, int]]:
+        """Consecutive runs (lo, hi) of rows, each at most `most` rows and PARTIALS_BYTES of partials
+        (a row alone whatever its own)."""
+        runs, lo, size = [], 0, 0
+        for i, p in enumerate(positions):
+            need = self._partials(p)
+            if i > lo and (i - lo >= most or size + need > PARTIALS_BYTES):
+                runs.append((lo, i))
+                lo, size = i, 0
+            size += need
+        return runs + [(lo, len(positions))] if positions else runs
+
     def _step(self, rows: list[tuple], token_ids: list[int]) -> torch.Tensor:
         """One native step: rows (KV view, position, logits wanted, the position's cos / sin of each
         rotary kind) with their tokens -> the wanted rows' logits [wanted, vocab]; every row's K and V
@@ -263,7 +225,9 @@ class NativeDecoder:
         if any(view is None for view in views):
             return None
         rows = [(view, p, True, self._rotary(p)) for view, (_, _, p) in zip(views, items)]
-        return list(self._step(rows, [t for _, t, _ in items]))
+        tokens = [t for _, t, _ in items]
+        return [out for lo, hi in self._split([p for _, _, p in items], len(items))
+                for out in self._step(rows[lo:hi], tokens[lo:hi])]
 
     @torch.inference_mode()
     def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
@@ -273,11 +237,10 @@ class NativeDecoder:
         if view is None:
             return None
         tables = self._rotary_span(start, len(token_ids))       # the chunk's, in one call (as the PyTorch path)
-        for lo in range(0, len(token_ids), PREFILL_ROWS):
-            chunk = token_ids[lo:lo + PREFILL_ROWS]
-            last = lo + len(chunk) == len(token_ids)
-            rows = [(view, start + lo + i, last and i == len(chunk) - 1, tables[lo + i]) for i in range(len(chunk))]
-            logits = self._step(rows, chunk)
+        for lo, hi in self._split(range(start, start + len(token_ids)), PREFILL_ROWS):
+            last = hi == len(token_ids)
+            rows = [(view, start + i, last and i == hi - 1, tables[i]) for i in range(lo, hi)]
+            logits = self._step(rows, token_ids[lo:hi])
         return logits[0]
 
     def close(self) -> None:

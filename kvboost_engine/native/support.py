@@ -1,0 +1,72 @@
+"""Whether the native step runs a model here, and the choices it makes by CPU (native/decoder.py
+takes them): float32 prompt chunks natively or on PyTorch's MKL loop, one-row attention's KV requests."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..model.arch import ModelAdapter
+from . import abi, build
+from .matrices import weights_kind
+
+TILE, BLOCK = 16, 32                        # a packed matrix's rows and columns are multiples of these
+
+
+PREFILL_ENV = "KVBOOST_NATIVE_PREFILL"      # "1" / "0": float32 prompt chunks natively or not, whatever the CPU
+KV_AHEAD_ENV = "KVBOOST_NATIVE_KV_AHEAD"    # "1" / "0": one-row attention asks for KV rows ahead or not
+
+
+def float_prefill_off() -> str | None:
+    """Why a float32 model's prompt chunks take the PyTorch layer loop rather than the native step
+    (None: natively). On Intel CPUs PyTorch's MKL float32 products run prompt chunks faster than
+    the native step's FMA loops (1,000 tokens of the default model: 1.2 against 1.7-1.9 s on a
+    2-core Xeon); elsewhere (MKL's AMD path, no MKL) the native step runs them. Decode steps of
+    one or several sequences stay native. $KVBOOST_NATIVE_PREFILL=1 / 0 decides instead."""
+    wanted = os.environ.get(PREFILL_ENV)
+    if wanted in ("0", "1"):
+        return None if wanted == "1" else f"{PREFILL_ENV}=0"
+    if torch.backends.mkl.is_available() and build.cpu_vendor() == "GenuineIntel":
+        return "float32 prompt chunks run PyTorch's MKL products (faster than the native step on Intel CPUs)"
+    return None
+
+
+def kv_ahead() -> bool:
+    """Whether one-row attention (a row over its own KV: serial decode, unshared batches, long
+    contexts) asks for the KV rows ahead of their use in every block (software prefetch; the same
+    numbers either way). Yes except on AMD CPUs: on a 2-core Intel Xeon it made a 1-row step at a 1k
+    context 24 % faster; on a 2-core AMD Zen 4 the hardware prefetchers alone stream the KV faster
+    (the default int4 step 7-10 % faster at 1 row and 12-15 % at 8 rows with nothing shared without
+    it, in paired runs), so there only runs of 64 keys or fewer, one query head per KV head and int8
+    KV ask (decode.cpp attend_block). $KVBOOST_NATIVE_KV_AHEAD=1 / 0 decides instead. Rows that share a key
+    block keep their requests (they pay there on both CPUs)."""
+    wanted = os.environ.get(KV_AHEAD_ENV)
+    if wanted in ("0", "1"):
+        return wanted == "1"
+    return build.cpu_vendor() != "AuthenticAMD"
+
+
+def unsupported_reason(adapter: ModelAdapter) -> str | None:
+    """Why the native step cannot run this model (None: it can)."""
+    _, reason = adapter.plain_llama()
+    if reason is not None:
+        return reason
+    if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
+        return f"needs float32 on CPU, the model is {adapter.dtype} on {adapter.device.type}"
+    if adapter.geometry.dtype not in abi.KV_TYPES:
+        return f"KV in {adapter.geometry.dtype} (the step reads float32, float16, bfloat16 or int8 KV)"
+    if getattr(adapter.model, "kvboost_streamer", None) is not None:
+        return "layers are streamed"
+    kind = weights_kind(adapter)
+    if kind is None:
+        return ('needs every decoder linear layer and the head in float32, or the layers in int4 and the '
+                'head in int8 (weights="int4"), or all of them packed (PackedLinear)')
+    for i in range(len(adapter.layers)):
+        if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in adapter.layer_parts(i).linears):
+            return "a layer's shape is not a multiple of 16 rows x 32 columns"
+    head = adapter.lm_head
+    if kind == "int4" and (head.out_features % TILE or head.in_features % BLOCK):
+        return "the output head's shape is not a multiple of 16 rows x 32 columns"
+    if len(set(adapter.layer_rope_kinds)) > 2:
+        return "more than two rotary kinds"
+    return None
