@@ -143,34 +143,33 @@ class Forward:
         single-sequence path (the same numbers as before batching). With `fast_decode`, the decoding
         sequences it accepts take its step, `batch_limit` at a time, and its chunks as alone (the fast
         step is batch-invariant: every row's numbers as in its own step, whatever shares the step);
-        only the items it refuses (KV spilled to disk) take the layer loop, together."""
+        an item it refuses (KV spilled to disk) takes the layer loop alone, its numbers as alone too.
+        Without `fast_decode`, the layer loop runs all of them together."""
         if len(items) == 1:
             kv, token_ids, start = items[0]
             return [self(kv, token_ids, start)]
-        fast, logits = self.fast_decode, [None] * len(items)
-        rest = list(range(len(items)))
-        if fast is not None:
-            refused = [fast.refusal(kv, start + len(ids) - 1) for kv, ids, start in items]
-            decoding = [i for i in rest if len(items[i][1]) == 1 and refused[i] is None]
-            for lo in range(0, len(decoding), fast.batch_limit):
-                part = decoding[lo:lo + fast.batch_limit]
-                rows = fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in part])
-                for i, out in zip(part, rows or ()):
-                    logits[i] = out
-                if rows is None:
-                    for i in part:
-                        refused[i] = "the fast step declined"
-            for i, (kv, ids, start) in enumerate(items):
-                if len(ids) > 1 and refused[i] is None:
-                    logits[i] = self(kv, ids, start)      # as alone: the fast prefill, or the layer loop where it is off
-            rest = [i for i in rest if refused[i] is not None]
-            for i in rest:
-                self._fell_back(refused[i])
-        if len(rest) == 1:
-            logits[rest[0]] = self._loop(*items[rest[0]])
-        elif rest:
-            for i, out in zip(rest, self._loop_batch([items[i] for i in rest], [want_logits[i] for i in rest])):
+        fast = self.fast_decode
+        if fast is None:
+            return self._loop_batch(items, want_logits)
+        logits = [None] * len(items)
+        # (chunks where native_prefill is off take the layer loop by design: not asked, not counted)
+        refused = [fast.refusal(kv, start + len(ids) - 1) if len(ids) == 1 or fast.native_prefill else None
+                   for kv, ids, start in items]
+        decoding = [i for i, (_, ids, _) in enumerate(items) if len(ids) == 1 and refused[i] is None]
+        for lo in range(0, len(decoding), fast.batch_limit):
+            part = decoding[lo:lo + fast.batch_limit]
+            rows = fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in part])
+            for i, out in zip(part, rows or ()):
                 logits[i] = out
+            if rows is None:
+                for i in part:
+                    refused[i] = "the fast step declined"
+        for i, (kv, ids, start) in enumerate(items):
+            if refused[i] is not None:
+                self._fell_back(refused[i])
+                logits[i] = self._loop(kv, ids, start)
+            elif len(ids) > 1:
+                logits[i] = self(kv, ids, start)      # as alone: the fast prefill, or the layer loop where it is off
         return [out if want else None for out, want in zip(logits, want_logits)]
 
     def _loop_batch(self, items: list[tuple], want_logits: list[bool]) -> list:
