@@ -204,7 +204,8 @@ class ModelAdapter:
     def static_rope(self) -> bool:
         """Whether every rotary kind's frequencies are the same whatever the sequence length (default,
         linear, llama3, yarn): a position's cos / sin then do not depend on the other positions of a
-        call. longrope and dynamic choose theirs by the call's largest position."""
+        call. longrope chooses its frequencies by the call's largest position, dynamic by it and the
+        largest seen before (HF's dynamic_rope_update keeps it)."""
         params = self.rope_settings()
         kinds = [params if kind is None else (params.get(kind) or {}) for kind in set(self.layer_rope_kinds)]
         return all(str(p.get("rope_type", "default")) in STATIC_ROPE for p in kinds)
