@@ -44,9 +44,9 @@ class FastDecode(Protocol):
     def refusal(self, kv, position: int) -> str | None:
         """Why a step at `position` cannot run on `kv` (None: it can)."""
 
-    def decode_rows(self, items: list[tuple]) -> list[torch.Tensor] | None:
+    def decode_rows(self, items: list[tuple]) -> list[torch.Tensor | None]:
         """One step over several sequences, items (kv, token_id, position): each one's logits, the
-        same numbers as its own step; None when some KV cannot run it."""
+        same numbers as its own step, or None for an item whose KV cannot run it (the others run)."""
 
     def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
         """Tokens at start.. over `kv` (a plain chunk, as __call__ below): the last one's logits, or None.
@@ -152,24 +152,18 @@ class Forward:
         if fast is None:
             return self._loop_batch(items, want_logits)
         logits = [None] * len(items)
-        # (chunks where native_prefill is off take the layer loop by design: not asked, not counted)
-        refused = [fast.refusal(kv, start + len(ids) - 1) if len(ids) == 1 or fast.native_prefill else None
-                   for kv, ids, start in items]
-        decoding = [i for i, (_, ids, _) in enumerate(items) if len(ids) == 1 and refused[i] is None]
+        decoding = [i for i, (_, ids, _) in enumerate(items) if len(ids) == 1]
         for lo in range(0, len(decoding), fast.batch_limit):
             part = decoding[lo:lo + fast.batch_limit]
-            rows = fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in part])
-            for i, out in zip(part, rows or ()):
+            for i, out in zip(part, fast.decode_rows([(items[i][0], items[i][1][0], items[i][2]) for i in part])):
+                kv, ids, start = items[i]
+                if out is None:                     # refused (KV spilled): the layer loop, alone
+                    self._fell_back(fast.refusal(kv, start))
+                    out = self._loop(kv, ids, start)
                 logits[i] = out
-            if rows is None:
-                for i in part:
-                    refused[i] = "the fast step declined"
         for i, (kv, ids, start) in enumerate(items):
-            if refused[i] is not None:
-                self._fell_back(refused[i])
-                logits[i] = self._loop(kv, ids, start)
-            elif len(ids) > 1:
-                logits[i] = self(kv, ids, start)      # as alone: the fast prefill, or the layer loop where it is off
+            if len(ids) > 1:                        # as alone: the fast prefill, else the layer loop (counted
+                logits[i] = self(kv, ids, start)    # where refused, not where native_prefill is off by design)
         return [out if want else None for out, want in zip(logits, want_logits)]
 
     def _loop_batch(self, items: list[tuple], want_logits: list[bool]) -> list:

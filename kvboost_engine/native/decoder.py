@@ -218,16 +218,20 @@ class NativeDecoder:
         return None if view is None else self._step([(view, position, True, self._rotary(position))], [token_id])[0]
 
     @torch.inference_mode()
-    def decode_rows(self, items: list[tuple]) -> list[torch.Tensor] | None:
+    def decode_rows(self, items: list[tuple]) -> list[torch.Tensor | None]:
         """One step over several sequences, items (kv, token_id, position): each one's logits [vocab],
-        the same numbers as its own step; None when some KV cannot be addressed by slot."""
+        the same numbers as its own step, or None for an item whose KV cannot be addressed by slot
+        (`refusal` says why; the others run all the same)."""
         views = [self._view(kv, position) for kv, _, position in items]
-        if any(view is None for view in views):
-            return None
-        rows = [(view, p, True, self._rotary(p)) for view, (_, _, p) in zip(views, items)]
-        tokens = [t for _, t, _ in items]
-        return [out for lo, hi in self._split([p for _, _, p in items], len(items))
-                for out in self._step(rows[lo:hi], tokens[lo:hi])]
+        runs = [i for i, view in enumerate(views) if view is not None]
+        rows = [(views[i], items[i][2], True, self._rotary(items[i][2])) for i in runs]
+        tokens = [items[i][1] for i in runs]
+        out: list = [None] * len(items)
+        done = [t for lo, hi in self._split([p for _, p, _, _ in rows], len(rows))
+                for t in self._step(rows[lo:hi], tokens[lo:hi])]
+        for i, logits in zip(runs, done):
+            out[i] = logits
+        return out
 
     @torch.inference_mode()
     def prefill(self, kv, token_ids: list[int], start: int) -> torch.Tensor | None:
