@@ -39,7 +39,7 @@ from ..paths import build_lock, cache_home
 from . import abi
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-ABI_VERSION = 15
+ABI_VERSION = 16
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 # variant: (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS = {
@@ -261,8 +261,8 @@ def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
 def _declare(lib) -> None:
     p = ctypes.c_void_p
     lib.kvb_decoder_new.restype = p
-    lib.kvb_decoder_new.argtypes = [p]
-    lib.kvb_decoder_rows.restype = None
+    lib.kvb_decoder_new.argtypes = [p, ctypes.c_char_p, ctypes.c_int]
+    lib.kvb_decoder_rows.restype = ctypes.c_int
     lib.kvb_decoder_rows.argtypes = [p, ctypes.c_int, p, p, p]
     lib.kvb_struct_size.restype = ctypes.c_int64
     lib.kvb_struct_size.argtypes = [ctypes.c_int]

@@ -34,6 +34,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 #ifdef _OPENMP
@@ -45,6 +47,7 @@ namespace {
 constexpr int TILE = 16;     // output rows per tile
 constexpr int BLOCK = 32;    // input columns per block (one activation scale, one weight scale per row)
 constexpr int KEY_BLOCK = 256;  // keys per attention task (a long context's keys split across threads)
+constexpr int64_t MAX_POSITION = int64_t{1} << 31;   // a row's position is below this (int key blocks)
 constexpr size_t PREFETCH = 8192;   // bytes of weight codes asked for ahead of the block in use, into
                                     // L2 (the hardware prefetcher alone left int4 products 20 % slower;
                                     // 2 KB into L1 before: the L2 hint 8 KB on made a Zen 4 1-row int4
@@ -730,6 +733,7 @@ struct Acts {
   const float* dx;
   const float* sx;
   const int32_t* hs;
+  uint8_t* expanded;         // this thread's scratch for a tile of 6-bit codes expanded (expand_tile6), or null
   int x_stride, xq_stride, s_stride;
 };
 
@@ -832,17 +836,19 @@ constexpr int ROW_BLOCK_WIDE = REGISTERS >= 32 ? 8 : ROW_BLOCK;
 constexpr bool EXPANDS = REGISTERS < 32;
 constexpr int EXPAND_ROWS = 4 * ROW_BLOCK;
 
-// Tile t of 6-bit codes, one byte a code in the 8-bit layout, in this thread's scratch
-inline const uint8_t* expand_tile6(const QMat& w, int t) {
-  thread_local std::vector<uint8_t> scratch;
+// Bytes of a tile of W's 6-bit codes expanded by expand_tile6
+inline size_t expanded_bytes(const QMat& w) { return static_cast<size_t>(w.cols / BLOCK) * BLOCK_BYTES<8>; }
+
+// Tile t of 6-bit codes, one byte a code in the 8-bit layout, in this thread's scratch (expanded_bytes(w),
+// allocated before the step: nothing is allocated inside the thread team)
+inline const uint8_t* expand_tile6(const QMat& w, int t, uint8_t* scratch) {
   const int blocks = w.cols / BLOCK;
-  scratch.resize(static_cast<size_t>(blocks) * BLOCK_BYTES<8>);
   const uint8_t* wp = w.codes + static_cast<size_t>(t) * blocks * BLOCK_BYTES<6>;
   for (int b = 0; b < blocks; ++b, wp += BLOCK_BYTES<6>) {
     for (size_t line = 0; line < BLOCK_BYTES<6>; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + line), _MM_HINT_T1);
-    expand_block6(wp, scratch.data() + static_cast<size_t>(b) * BLOCK_BYTES<8>);
+    expand_block6(wp, scratch + static_cast<size_t>(b) * BLOCK_BYTES<8>);
   }
-  return scratch.data();
+  return scratch;
 }
 
 // Tile t of W times the M rows of `a`, ROW_BLOCK_WIDE rows a pass (X: the codes expanded at xc)
@@ -866,7 +872,7 @@ void gemm_t(const QMat& w, const Acts& a, int M, float* y, int y_stride, int t0,
   for (int t = t0; t < t1; ++t) {
     if constexpr (BITS == 6 && EXPANDS)
       if (M >= EXPAND_ROWS) {
-        tile_all_rows<DT, MT, BITS, true>(w, a, M, y, y_stride, t, expand_tile6(w, t));
+        tile_all_rows<DT, MT, BITS, true>(w, a, M, y, y_stride, t, expand_tile6(w, t, a.expanded));
         continue;
       }
     tile_all_rows<DT, MT, BITS, false>(w, a, M, y, y_stride, t, nullptr);
@@ -1870,15 +1876,19 @@ struct Decoder {
   std::vector<std::vector<float>> turned;      // per thread: a group of keys turned over [16 VW VW], then
                                                // each row and head's lane sums [SHARED_ROWS 4 VW VW]
   std::vector<std::vector<float>> value_rows;  // per thread, over int8 KV: a shared task's value rows as
-  std::vector<std::vector<int64_t>> value_at;  // floats, and where each key's is (attend_rows; grown on use)
+  std::vector<std::vector<int64_t>> value_at;  // floats, and where each key's is (attend_rows; sized by prepare)
+  std::vector<std::vector<uint8_t>> expanded;  // per thread, with 6-bit matrices where EXPANDS: a tile's codes
+                                               // expanded (expand_tile6)
+  std::vector<std::vector<std::pair<float, int>>> tops;   // per thread: refine_top's heap [exact_top]
   std::vector<float> part_o, part_ml;          // per attention task: output [head_dim]; top, sum
   std::vector<int> wanted;                     // rows whose logits are wanted
 
   Decoder(int threads) : team(threads) {}
 
+  // Scratch for M rows (capacity: the rows every buffer holds, raised once all of them are)
   void reserve(int M) {
     if (M <= capacity) return;
-    capacity = M;
+    wanted.reserve(M);
     x.resize(static_cast<size_t>(M) * hidden); h.resize(static_cast<size_t>(M) * hw);
     qkv.resize(static_cast<size_t>(M) * qkv_w); attn.resize(static_cast<size_t>(M) * q_rows);
     mlp.resize(static_cast<size_t>(M) * 2 * inter); act.resize(static_cast<size_t>(M) * inter);
@@ -1891,6 +1901,7 @@ struct Decoder {
       q_corr.resize(static_cast<size_t>(M) * (q_rows / KV_I8_BLOCK));
       q_codes.resize(static_cast<size_t>(M) * q_rows);
     }
+    capacity = M;
   }
 
   // Row r's query heads (rotated, normed) in int8 for scoring int8 KV (i8_scores): quantize()'s codes per
@@ -1940,7 +1951,8 @@ struct Decoder {
   // y[r] = W x[r] for the M rows, this thread's share of W's rows; x: the float rows (their
   // quantized copies in xq / dx / sx when W is not float)
   void matmul(const QMat& w, int M, const float* x, int x_stride, float* y, int y_stride, int id, int n) {
-    const Acts a{x, xq.data(), dx.data(), sx.data(), hs.data(), x_stride, xq_w, s_w};
+    const Acts a{x, xq.data(), dx.data(), sx.data(), hs.data(), expanded.empty() ? nullptr : expanded[id].data(),
+                 x_stride, xq_w, s_w};
     int t0, t1;
     if (w.bits == 32) {
       split(w.rows / 8, id, n, &t0, &t1);
@@ -2096,12 +2108,9 @@ struct Decoder {
     if constexpr (KT == KV_I8) {
       size_t used = shared;
       for (int i = 0; i < count; ++i) used += std::max(0, n[i] - shared);
-      std::vector<float>& fl = value_rows[id];
-      std::vector<int64_t>& at = value_at[id];
-      if (fl.size() < used * head_dim) fl.resize(used * head_dim);
-      if (at.size() < static_cast<size_t>(count + 1) * KEY_BLOCK) at.resize(static_cast<size_t>(count + 1) * KEY_BLOCK);
-      vrows = fl.data();
-      vat = at.data();
+      (void)used;                              // <= count * KEY_BLOCK rows: prepare() sized both for SHARED_ROWS
+      vrows = value_rows[id].data();
+      vat = value_at[id].data();
     }
     const int D = head_dim / VW;
 #define KVB_HEADS(DD)                                                                                            \
@@ -2334,15 +2343,16 @@ struct Decoder {
     matmul(head, W, h.data(), hw, logits, vocab, id, n);
     if (exact_top <= 0) return;
     team.barrier(n);
-    for (int j = id; j < W; j += n) refine_top(logits + static_cast<size_t>(j) * vocab, h.data() + static_cast<size_t>(j) * hw);
+    for (int j = id; j < W; j += n) refine_top(logits + static_cast<size_t>(j) * vocab, h.data() + static_cast<size_t>(j) * hw, id);
   }
 
   // The best exact_top rows of one row's logits (ascending scan), recomputed in float. Past the first
   // exact_top, a vector of logits none of which beats the heap's least (which only rises) is passed
   // over whole: the same rows chosen as one by one. A NaN among the first breaks the heap's order
   // (its least can fall), so then every row is offered one by one, as before.
-  void refine_top(float* logits, const float* hj) {
-    std::vector<std::pair<float, int>> best;
+  void refine_top(float* logits, const float* hj, int id) {
+    std::vector<std::pair<float, int>>& best = tops[id];     // capacity exact_top (no allocation in the team)
+    best.clear();
     auto offer = [&](int row) {
       if (logits[row] > best.front().first) {
         std::pop_heap(best.begin(), best.end(), std::greater<>());
@@ -2363,22 +2373,50 @@ struct Decoder {
     for (auto& [value, r] : best) logits[r] = exact_row(head, r, hj);
   }
 
-  void step(int M, const float* x_in, const Row* rows, float* logits) {
-    std::lock_guard<std::mutex> lock(busy);
+  // Everything a step over these rows allocates, before its thread team starts: an exception out of
+  // the team would end the process, so the team allocates nothing (std::bad_alloc, std::length_error
+  // or std::invalid_argument from here: the step does not run and no KV is written).
+  void prepare(int M, const Row* rows) {
+    if (M < 1) throw std::invalid_argument("a step of no rows");
+    for (int r = 0; r < M; ++r)
+      if (rows[r].pos < 0 || rows[r].pos >= MAX_POSITION) throw std::invalid_argument("a row's position out of range");
     reserve(M);
+    size_t tasks = 0;                          // the most attention tasks of any layer (no window)
+    for (int r = 0; r < M; ++r) tasks += static_cast<size_t>(heads) * key_blocks(0, rows[r].pos);
+    if (tasks > static_cast<size_t>(INT32_MAX)) throw std::length_error("attention partials past int offsets");
+    if (part_ml.size() < 2 * tasks) { part_o.resize(tasks * head_dim); part_ml.resize(2 * tasks); }
+    plan_step(rows, M);
+    if (kv_type == KV_I8 && M > 1)             // rows that may share a key block (attend_rows)
+      for (int i = 0; i < team.size(); ++i) {
+        if (value_rows[i].size() < static_cast<size_t>(SHARED_ROWS) * KEY_BLOCK * head_dim)
+          value_rows[i].resize(static_cast<size_t>(SHARED_ROWS) * KEY_BLOCK * head_dim);
+        if (value_at[i].size() < static_cast<size_t>(SHARED_ROWS + 1) * KEY_BLOCK)
+          value_at[i].resize(static_cast<size_t>(SHARED_ROWS + 1) * KEY_BLOCK);
+      }
+  }
+
+  // One step over M rows: 0, or (nothing computed, no KV written) 1 where its scratch could not be
+  // allocated, 2 where a row's position is out of range.
+  int step(int M, const float* x_in, const Row* rows, float* logits) {
+    std::lock_guard<std::mutex> lock(busy);
+    std::function<void(int, int)> job;
+    try {
+      prepare(M, rows);
+      job = [this, M, rows, logits](int id, int n) {
+        for (int l = 0; l < layers; ++l) layer_step(l, rows, M, id, n);
+        head_step(logits, id, n);
+      };
+    } catch (const std::invalid_argument&) {
+      return 2;
+    } catch (const std::exception&) {          // std::bad_alloc, std::length_error
+      return 1;
+    }
     std::memcpy(x.data(), x_in, sizeof(float) * M * hidden);
     wanted.clear();
     for (int r = 0; r < M; ++r) if (rows[r].want) wanted.push_back(r);
-    size_t tasks = 0;                          // the most attention tasks of any layer (no window)
-    for (int r = 0; r < M; ++r) tasks += static_cast<size_t>(heads) * key_blocks(0, rows[r].pos);
-    if (part_ml.size() < 2 * tasks) { part_o.resize(tasks * head_dim); part_ml.resize(2 * tasks); }
-    plan_step(rows, M);
     for (int l = 0; l < layers; ++l) claimed[l].store(0, std::memory_order_relaxed);   // (the team starts after)
-    std::function<void(int, int)> job = [&](int id, int n) {
-      for (int l = 0; l < layers; ++l) layer_step(l, rows, M, id, n);
-      head_step(logits, id, n);
-    };
     team.run(job);
+    return 0;
   }
 };
 
@@ -2421,23 +2459,67 @@ QMat qmat(const MatArgs& a) {
               static_cast<float>(a.zero)};
 }
 
-}  // namespace
-
-extern "C" {
-
-int kvb_abi_version() { return 15; }
-
-// the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
-const char* kvb_isa() { return ISA_NAME; }
-
-// sizeof MatArgs, LayerArgs, ModelArgs, Row (which 0..3): the loader checks abi.py lays them out alike
-int64_t kvb_struct_size(int which) {
-  const int64_t sizes[] = {sizeof(MatArgs), sizeof(LayerArgs), sizeof(ModelArgs), sizeof(Row)};
-  return which >= 0 && which < 4 ? sizes[which] : -1;
+// Why matrix `a` cannot be read as a [rows, cols] matrix by the kernels ("" where it can): the
+// shapes and scale types gemm / gemm_f32 run (a pair they do not would leave the output unwritten).
+std::string matrix_refusal(const MatArgs& a, int rows, int cols) {
+  if (a.rows != rows || a.cols != cols)
+    return "is " + std::to_string(a.rows) + " x " + std::to_string(a.cols) + ", expected " + std::to_string(rows) +
+           " x " + std::to_string(cols);
+  if (!a.codes) return "has no codes";
+  if (a.bits == 32) return "";
+  if (a.bits != 4 && a.bits != 6 && a.bits != 8) return "has " + std::to_string(a.bits) + "-bit codes (4, 6, 8 or 32)";
+  if (a.rows % TILE || a.cols % BLOCK) return "is not a multiple of 16 rows x 32 columns";
+  if (!a.d) return "has no d";
+  const bool floats = a.d_type <= S_F32 && (a.m_type <= S_F32 || a.m_type == S_NONE);
+  const bool k_quant = a.d_type == S_U8 && a.m_type == S_U8 && a.d2 && a.m2 && a.cols % (8 * BLOCK) == 0;
+  const bool q6 = a.d_type == S_I8 && a.m_type == S_NONE && a.bits == 6 && a.d2 && a.zero == 32;
+  if (!floats && !k_quant && !q6)
+    return "has scale types d " + std::to_string(a.d_type) + ", m " + std::to_string(a.m_type) + " the kernels do not read";
+  if (a.m_type != S_NONE && !a.m) return "has no m";
+  if (a.m_type == S_NONE && (a.zero <= 0 || (a.zero & (a.zero - 1)))) return "has no m and a zero code that is no power of two";
+  return "";
 }
 
-void* kvb_decoder_new(const ModelArgs* args) {
-  auto* dec = new Decoder(args->threads);
+// Why the library cannot run this model ("" where it can): sizes, types and every matrix's shape.
+std::string model_refusal(const ModelArgs& a) {
+  if (a.layers < 1 || a.hidden < 1 || a.heads < 1 || a.kv_heads < 1 || a.head_dim < 2 || a.inter < 1 || a.vocab < 1 ||
+      a.threads < 1)
+    return "a size below one";
+  if (a.heads % a.kv_heads) return "query heads not a multiple of KV heads";
+  if (a.head_dim % 2) return "an odd head_dim";
+  if (a.kv_type < KV_F32 || a.kv_type > KV_I8) return "an unknown KV type";
+  if (a.kv_type == KV_I8 && a.head_dim % KV_I8_BLOCK) return "int8 KV needs a head_dim that is a multiple of 32";
+  if (a.act != ACT_SILU && a.act != ACT_GELU_TANH) return "an unknown activation";
+  if (!a.stack || !a.final_norm) return "no layers or final norm";
+  const int q_rows = a.heads * a.head_dim, kv_rows = a.kv_heads * a.head_dim;
+  for (int l = 0; l < a.layers; ++l) {
+    const LayerArgs& L = a.stack[l];
+    const std::string at = "layer " + std::to_string(l) + "'s ";
+    if (!L.in_norm || !L.post_norm) return at + "norms are missing";
+    if (L.window < 0 || L.rope < 0 || L.rope > 1) return at + "window or rotary kind is out of range";
+    const bool fused_qkv = !L.k.rows, fused_mlp = !L.up.rows;
+    if (fused_qkv != !L.v.rows) return at + "k and v are both stacked into q or neither";
+    const struct { const char* name; const MatArgs* m; int rows, cols; } mats[] = {
+        {"q", &L.q, fused_qkv ? q_rows + 2 * kv_rows : q_rows, a.hidden},
+        {"k", fused_qkv ? nullptr : &L.k, kv_rows, a.hidden},
+        {"v", fused_qkv ? nullptr : &L.v, kv_rows, a.hidden},
+        {"o", &L.o, a.hidden, q_rows},
+        {"gate", &L.gate, fused_mlp ? 2 * a.inter : a.inter, a.hidden},
+        {"up", fused_mlp ? nullptr : &L.up, a.inter, a.hidden},
+        {"down", &L.down, a.hidden, a.inter}};
+    for (const auto& m : mats) {
+      if (!m.m) continue;
+      const std::string why = matrix_refusal(*m.m, m.rows, m.cols);
+      if (!why.empty()) return at + m.name + " " + why;
+    }
+  }
+  const std::string why = matrix_refusal(a.head, a.vocab, a.hidden);
+  return why.empty() ? "" : "the head " + why;
+}
+
+// The decoder of a model model_refusal accepts (std::bad_alloc where its scratch cannot be allocated)
+std::unique_ptr<Decoder> build_decoder(const ModelArgs* args) {
+  std::unique_ptr<Decoder> dec(new Decoder(args->threads));
   dec->layers = args->layers; dec->hidden = args->hidden; dec->heads = args->heads; dec->kv_heads = args->kv_heads;
   dec->head_dim = args->head_dim; dec->inter = args->inter; dec->vocab = args->vocab; dec->exact_top = args->exact_top;
   dec->eps = args->eps; dec->scaling = args->scaling; dec->kv_type = args->kv_type; dec->activation = args->act;
@@ -2482,7 +2564,54 @@ void* kvb_decoder_new(const ModelArgs* args) {
   dec->turned.assign(per_thread, std::vector<float>((16 + SHARED_ROWS * 4) * VW * VW));
   dec->value_rows.resize(per_thread);
   dec->value_at.resize(per_thread);
+  dec->tops.resize(per_thread);
+  for (auto& top : dec->tops) top.reserve(std::max(dec->exact_top, 0));
+  size_t expand = 0;                                                   // the widest 6-bit tile expanded
+  if (EXPANDS) {
+    for (const Layer& L : dec->stack) {
+      for (const QMat& m : L.qkv) if (m.bits == 6) expand = std::max(expand, expanded_bytes(m));
+      for (const QMat& m : L.gate_up) if (m.bits == 6) expand = std::max(expand, expanded_bytes(m));
+      for (const QMat& m : {L.o, L.down}) if (m.bits == 6) expand = std::max(expand, expanded_bytes(m));
+    }
+    if (dec->head.bits == 6) expand = std::max(expand, expanded_bytes(dec->head));
+  }
+  if (expand) dec->expanded.assign(dec->team.size(), std::vector<uint8_t>(expand));   // (thread ids < team size)
   return dec;
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvb_abi_version() { return 16; }
+
+// the instruction set this library was built for: "avx512", "avxvnni" or "avx2"
+const char* kvb_isa() { return ISA_NAME; }
+
+// sizeof MatArgs, LayerArgs, ModelArgs, Row (which 0..3): the loader checks abi.py lays them out alike
+int64_t kvb_struct_size(int which) {
+  const int64_t sizes[] = {sizeof(MatArgs), sizeof(LayerArgs), sizeof(ModelArgs), sizeof(Row)};
+  return which >= 0 && which < 4 ? sizes[which] : -1;
+}
+
+// A decoder for this model, or null with the reason in why[why_size] (a model the kernels cannot run, or
+// memory for its scratch that could not be allocated)
+void* kvb_decoder_new(const ModelArgs* args, char* why, int why_size) {
+  auto refuse = [&](const std::string& reason) -> void* {
+    if (why && why_size > 0) {
+      std::strncpy(why, reason.c_str(), static_cast<size_t>(why_size) - 1);
+      why[why_size - 1] = '\0';
+    }
+    return nullptr;
+  };
+  try {
+    const std::string reason = model_refusal(*args);
+    if (!reason.empty()) return refuse(reason);
+    std::unique_ptr<Decoder> dec = build_decoder(args);
+    return dec.release();
+  } catch (const std::exception& err) {
+    return refuse(std::string("the library could not allocate its scratch memory (") + err.what() + ")");
+  }
 }
 
 // 1 where int8 keys are scored against the query in int8 (Decoder::i8_queries), else 0
@@ -2490,8 +2619,10 @@ int kvb_decoder_int8_queries(void* handle) { return static_cast<Decoder*>(handle
 
 // One step over M rows (decode.cpp Row: each its own KV, slots and position; the rows of one
 // sequence's prompt chunk share them): x [M, hidden] their embeddings; logits [wanted rows, vocab].
-void kvb_decoder_rows(void* handle, int M, const float* x, const void* rows, float* logits) {
-  static_cast<Decoder*>(handle)->step(M, x, static_cast<const Row*>(rows), logits);
+// 0; or, the step not run and no KV written: 1 where its scratch memory could not be allocated, 2 where
+// a row's position is negative or past MAX_POSITION (Decoder::step).
+int kvb_decoder_rows(void* handle, int M, const float* x, const void* rows, float* logits) {
+  return static_cast<Decoder*>(handle)->step(M, x, static_cast<const Row*>(rows), logits);
 }
 
 // The embeddings of tokens ids[0 .. M) decoded from the packed head (a model whose input embedding

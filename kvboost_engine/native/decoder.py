@@ -52,6 +52,11 @@ KEY_BLOCK = 256                                     # keys per attention task (d
 PARTIALS_BYTES = 256 << 20
 
 
+class NativeRefusal(Exception):
+    """The library refused a model (kvb_decoder_new: a shape or scale type its kernels do not read, or
+    memory for its scratch it could not allocate); native_decoder() gives the reason instead."""
+
+
 class NativeDecoder:
     """`decoder(kv, token_id, position)` -> logits [vocab] (fp32) after computing the token's KV in
     place, or None when this KV cannot be addressed by slot (then use the PyTorch path)."""
@@ -98,7 +103,10 @@ class NativeDecoder:
                               plain.rms_norm_eps,
                               parts[0].scaling, stack, self._hold(plain.final_norm.float()),
                               abi.mat_args(head, self._hold))
-        self._handle = lib.kvb_decoder_new(ctypes.byref(model))
+        why = ctypes.create_string_buffer(512)
+        self._handle = lib.kvb_decoder_new(ctypes.byref(model), why, len(why))
+        if not self._handle:                                   # the library's own check of shapes and types
+            raise NativeRefusal(why.value.decode(errors="replace"))
         # int8 keys scored against the query in int8 (decode.cpp i8_scores): over int8 KV where some
         # matrix takes int8 activations anyway, heads of up to 1,024 (Decoder::i8_queries, as the library says)
         self.int8_queries = bool(lib.kvb_decoder_int8_queries(self._handle))
@@ -192,12 +200,17 @@ class NativeDecoder:
     def _step(self, rows: list[tuple], token_ids: list[int]) -> torch.Tensor:
         """One native step: rows (KV view, position, logits wanted, the position's cos / sin of each
         rotary kind) with their tokens -> the wanted rows' logits [wanted, vocab]; every row's K and V
-        are written before any row attends."""
+        are written before any row attends. MemoryError where the library cannot allocate the step's
+        scratch, ValueError for a position past its range: then nothing is computed and no KV written."""
         keep: list = []
         array = (abi.Row * len(rows))(*(self._row(view, p, want, tables, keep) for view, p, want, tables in rows))
         x = self._embed(token_ids)
         logits = torch.empty(sum(bool(want) for _, _, want, _ in rows), self.vocab, dtype=torch.float32)
-        self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
+        failed = self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
+        if failed:                                              # nothing computed, no KV written
+            raise (MemoryError(f"the native step could not allocate its scratch memory for {len(rows)} rows")
+                   if failed == 1 else ValueError("a native step's row position out of range (0 .. 2^31): "
+                                                  f"{[p for _, p, _, _ in rows if not 0 <= p < 1 << 31]}"))
         cap = self.adapter.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap      # as ModelAdapter.logits_at
 
@@ -270,7 +283,10 @@ def native_decoder(adapter: ModelAdapter, threads: int | None = None,
     lib, reason = build.load(isa)
     if lib is None:
         return None, reason
-    return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
+    try:
+        return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
+    except NativeRefusal as refusal:
+        return None, f"the native library refused the model: {refusal}"
 
 
 def _longs(values) -> ctypes.Array:
