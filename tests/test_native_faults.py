@@ -53,7 +53,7 @@ def test_a_step_the_library_cannot_hold_or_place_fails_alone(tmp_path, weights):
         want = decoder(twin, 77, len(PROMPT))
         before = _state(kv)
         view, tables = kv.slot_view(), decoder._rotary(len(PROMPT))
-        with pytest.raises(MemoryError, match="scratch memory for 64 rows"):
+        with pytest.raises(MemoryError, match="partials for 64 rows pass the 2"):
             decoder._step([(view, 2**31 - 1, True, tables)] * 64, [77] * 64)
         with pytest.raises(ValueError, match="position out of range"):
             decoder._step([(view, 2**31, True, tables)], [77])
@@ -62,7 +62,7 @@ def test_a_step_the_library_cannot_hold_or_place_fails_alone(tmp_path, weights):
 
 
 def test_a_step_whose_memory_runs_out_raises_memory_error_and_the_process_goes_on(tmp_path):
-    """A real allocation failure (the address space limited, so a 1 GiB buffer of attention partials
+    """A real allocation failure (the address space limited, so a 2 GiB buffer of attention partials
     cannot be had), in a process of its own: MemoryError in Python, not std::terminate, the KV untouched,
     and once memory is back the same decoder steps with the numbers it gave before."""
     script = textwrap.dedent(f"""

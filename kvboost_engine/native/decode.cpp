@@ -2374,8 +2374,8 @@ struct Decoder {
   }
 
   // Everything a step over these rows allocates, before its thread team starts: an exception out of
-  // the team would end the process, so the team allocates nothing (std::bad_alloc, std::length_error
-  // or std::invalid_argument from here: the step does not run and no KV is written).
+  // the team would end the process, so the team allocates nothing (std::bad_alloc, std::length_error,
+  // std::out_of_range or std::invalid_argument from here: the step does not run and no KV is written).
   void prepare(int M, const Row* rows) {
     if (M < 1) throw std::invalid_argument("a step of no rows");
     for (int r = 0; r < M; ++r)
@@ -2383,7 +2383,7 @@ struct Decoder {
     reserve(M);
     size_t tasks = 0;                          // the most attention tasks of any layer (no window)
     for (int r = 0; r < M; ++r) tasks += static_cast<size_t>(heads) * key_blocks(0, rows[r].pos);
-    if (tasks > static_cast<size_t>(INT32_MAX)) throw std::length_error("attention partials past int offsets");
+    if (tasks > static_cast<size_t>(INT32_MAX)) throw std::out_of_range("attention partials past int offsets");
     if (part_ml.size() < 2 * tasks) { part_o.resize(tasks * head_dim); part_ml.resize(2 * tasks); }
     plan_step(rows, M);
     if (kv_type == KV_I8 && M > 1)             // rows that may share a key block (attend_rows)
@@ -2396,7 +2396,8 @@ struct Decoder {
   }
 
   // One step over M rows: 0, or (nothing computed, no KV written) 1 where its scratch could not be
-  // allocated, 2 where a row's position is out of range.
+  // allocated, 2 where a row's position is out of range, 3 where its attention partials would pass
+  // 2^31 entries (the int offsets of a plan).
   int step(int M, const float* x_in, const Row* rows, float* logits) {
     std::lock_guard<std::mutex> lock(busy);
     std::function<void(int, int)> job;
@@ -2408,6 +2409,8 @@ struct Decoder {
       };
     } catch (const std::invalid_argument&) {
       return 2;
+    } catch (const std::out_of_range&) {
+      return 3;
     } catch (const std::exception&) {          // std::bad_alloc, std::length_error
       return 1;
     }
@@ -2470,9 +2473,9 @@ std::string matrix_refusal(const MatArgs& a, int rows, int cols) {
   if (a.bits != 4 && a.bits != 6 && a.bits != 8) return "has " + std::to_string(a.bits) + "-bit codes (4, 6, 8 or 32)";
   if (a.rows % TILE || a.cols % BLOCK) return "is not a multiple of 16 rows x 32 columns";
   if (!a.d) return "has no d";
-  const bool floats = a.d_type <= S_F32 && (a.m_type <= S_F32 || a.m_type == S_NONE);
+  const bool floats = a.d_type >= S_BF16 && a.d_type <= S_F32 && ((a.m_type >= S_BF16 && a.m_type <= S_F32) || a.m_type == S_NONE);
   const bool k_quant = a.d_type == S_U8 && a.m_type == S_U8 && a.d2 && a.m2 && a.cols % (8 * BLOCK) == 0;
-  const bool q6 = a.d_type == S_I8 && a.m_type == S_NONE && a.bits == 6 && a.d2 && a.zero == 32;
+  const bool q6 = a.d_type == S_I8 && a.m_type == S_NONE && a.bits == 6 && a.d2 && a.zero == 32 && a.cols % (8 * BLOCK) == 0;
   if (!floats && !k_quant && !q6)
     return "has scale types d " + std::to_string(a.d_type) + ", m " + std::to_string(a.m_type) + " the kernels do not read";
   if (a.m_type != S_NONE && !a.m) return "has no m";
@@ -2597,20 +2600,20 @@ int64_t kvb_struct_size(int which) {
 // A decoder for this model, or null with the reason in why[why_size] (a model the kernels cannot run, or
 // memory for its scratch that could not be allocated)
 void* kvb_decoder_new(const ModelArgs* args, char* why, int why_size) {
-  auto refuse = [&](const std::string& reason) -> void* {
+  auto refuse = [&](const char* reason) -> void* {       // (allocates nothing: also after a bad_alloc)
     if (why && why_size > 0) {
-      std::strncpy(why, reason.c_str(), static_cast<size_t>(why_size) - 1);
+      std::strncpy(why, reason, static_cast<size_t>(why_size) - 1);
       why[why_size - 1] = '\0';
     }
     return nullptr;
   };
   try {
     const std::string reason = model_refusal(*args);
-    if (!reason.empty()) return refuse(reason);
+    if (!reason.empty()) return refuse(reason.c_str());
     std::unique_ptr<Decoder> dec = build_decoder(args);
     return dec.release();
-  } catch (const std::exception& err) {
-    return refuse(std::string("the library could not allocate its scratch memory (") + err.what() + ")");
+  } catch (const std::exception&) {
+    return refuse("the library could not allocate its scratch memory");
   }
 }
 
@@ -2620,7 +2623,8 @@ int kvb_decoder_int8_queries(void* handle) { return static_cast<Decoder*>(handle
 // One step over M rows (decode.cpp Row: each its own KV, slots and position; the rows of one
 // sequence's prompt chunk share them): x [M, hidden] their embeddings; logits [wanted rows, vocab].
 // 0; or, the step not run and no KV written: 1 where its scratch memory could not be allocated, 2 where
-// a row's position is negative or past MAX_POSITION (Decoder::step).
+// a row's position is negative or at least MAX_POSITION, 3 where its attention partials pass 2^31
+// entries (Decoder::step).
 int kvb_decoder_rows(void* handle, int M, const float* x, const void* rows, float* logits) {
   return static_cast<Decoder*>(handle)->step(M, x, static_cast<const Row*>(rows), logits);
 }

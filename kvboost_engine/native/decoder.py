@@ -208,9 +208,7 @@ class NativeDecoder:
         logits = torch.empty(sum(bool(want) for _, _, want, _ in rows), self.vocab, dtype=torch.float32)
         failed = self._lib.kvb_decoder_rows(self._handle, len(rows), x.data_ptr(), array, logits.data_ptr())
         if failed:                                              # nothing computed, no KV written
-            raise (MemoryError(f"the native step could not allocate its scratch memory for {len(rows)} rows")
-                   if failed == 1 else ValueError("a native step's row position out of range (0 .. 2^31): "
-                                                  f"{[p for _, p, _, _ in rows if not 0 <= p < 1 << 31]}"))
+            raise _step_error(failed, rows)
         cap = self.adapter.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap      # as ModelAdapter.logits_at
 
@@ -287,6 +285,16 @@ def native_decoder(adapter: ModelAdapter, threads: int | None = None,
         return NativeDecoder(adapter, lib, threads or torch.get_num_threads()), None
     except NativeRefusal as refusal:
         return None, f"the native library refused the model: {refusal}"
+
+
+def _step_error(code: int, rows: list[tuple]) -> Exception:
+    """The error for kvb_decoder_rows' code (decode.cpp Decoder::step)."""
+    if code == 2:
+        return ValueError("a native step's row position out of range (0 .. 2^31): "
+                          f"{[p for _, p, _, _ in rows if not 0 <= p < 1 << 31]}")
+    if code == 3:
+        return MemoryError(f"a native step's attention partials for {len(rows)} rows pass the 2^31 entries the library indexes")
+    return MemoryError(f"the native step could not allocate its scratch memory for {len(rows)} rows")
 
 
 def _longs(values) -> ctypes.Array:
