@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
   for (auto& v : x) v = rand() / static_cast<float>(RAND_MAX) - 0.5f;
   for (int r = 0; r < max_rows; ++r)
     quantize(x.data() + r * COLS, COLS, xq.data() + r * COLS, dx.data() + r * COLS / BLOCK, sx.data() + r * COLS / BLOCK, nullptr);
-  const Acts a{x.data(), xq.data(), dx.data(), sx.data(), nullptr, COLS, COLS, COLS / BLOCK};
+  const Acts a{x.data(), xq.data(), dx.data(), sx.data(), nullptr, nullptr, COLS, COLS, COLS / BLOCK};
   const double rate = mac_rate(20000000L / VW);
   std::printf("{\"macs_per_s\": %.4g, \"vw\": %d, \"cases\": [", rate, VW);
   const char* memories[] = {"hot", "cold_4k", "cold_huge"};
