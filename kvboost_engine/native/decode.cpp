@@ -2106,9 +2106,8 @@ struct Decoder {
     float* vrows = nullptr;                    // over int8 KV: the task's value rows as floats (attend_shared)
     int64_t* vat = nullptr;
     if constexpr (KT == KV_I8) {
-      size_t used = shared;
-      for (int i = 0; i < count; ++i) used += std::max(0, n[i] - shared);
-      (void)used;                              // <= count * KEY_BLOCK rows: prepare() sized both for SHARED_ROWS
+      // shared + the sum of n[i] - shared value rows, at most count * KEY_BLOCK, and (count + 1) *
+      // KEY_BLOCK places: prepare() sized both for SHARED_ROWS rows
       vrows = value_rows[id].data();
       vat = value_at[id].data();
     }
