@@ -45,7 +45,7 @@ def test_stream_deltas_then_generation_with_usage_and_cached_tokens(server):
     assert again.telemetry()["server_cached_tokens"] == again.reused_tokens
     body = server.requests[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert body["max_tokens"] == 32 and body["top_k"] == 0
+    assert body["max_tokens"] == 32 and body["top_k"] == -1
 
 
 def test_stop_and_length_and_sampling_parameters_reach_the_server(server):

@@ -13,18 +13,21 @@ pytest.importorskip("openai")
 pytest.importorskip("langchain_core")
 pytest.importorskip("llama_index.core")
 
-from fake_openai_server import Chaos, Fault, FakeServer  # noqa: E402
+from fake_openai_server import Chaos, Fault, FakeServer, tokens  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 
 from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM  # noqa: E402
 from kvboost_integrations.llama_index import KVBoost  # noqa: E402
 from kvboost_integrations.remote import (  # noqa: E402
+    BadReplyError,
+    EngineClosedError,
     RemoteEngine,
     RemoteGeneration,
     ReplicaUnavailableError,
     ReplyInterruptedError,
 )
+from kvboost_integrations.remote.generation import ReplyState  # noqa: E402
 
 TIMEOUT_S = 0.5
 FAST = {"connect_timeout_s": TIMEOUT_S, "read_timeout_s": TIMEOUT_S, "cooldown_s": 60}
@@ -249,3 +252,68 @@ def test_chaos_never_gives_a_shorter_answer(pair):
             outcomes.append("interrupted")
     assert set(outcomes) <= {good.reply, "interrupted"} and outcomes.count(good.reply) >= 12
     assert sum(flaky.fault.drawn.values()) > 0
+
+
+def test_a_stream_that_breaks_after_its_finish_reason_keeps_the_reply(pair):
+    bad, good = pair
+    after_finish = len(tokens(bad.reply)) + 1              # every text chunk and the finish chunk, then the drop
+    bad.fault = Fault("drop", after_chunks=after_finish)   # (the usage chunk and [DONE] never come)
+    engine = RemoteEngine([bad.url, good.url], served_model="fake-model", **FAST)
+    engine.router.mark_down(good.url)
+    gen = engine.chat([{"role": "user", "content": "Hi"}])
+    assert (gen.text, gen.finish_reason, gen.replica, gen.failovers) == (bad.reply, "stop", bad.url, [])
+    assert not engine.router.state()[bad.url]["down"] and good.completions() == 0
+
+    async def ask():
+        return [item async for item in engine.astream_chat([{"role": "user", "content": "Hi again"}])][-1]
+
+    gen = asyncio.run(ask())
+    assert (gen.text, gen.replica) == (bad.reply, bad.url) and not engine.router.state()[bad.url]["down"]
+    bad.fault = Fault("drop", after_chunks=after_finish - 1)       # before the finish chunk: incomplete
+    with pytest.raises(ReplyInterruptedError, match=bad.url):
+        engine.chat([{"role": "user", "content": "Hi"}])
+
+
+def test_close_during_a_stream_is_not_a_replica_failure(pair):
+    bad, good = pair
+    good.chunk_delay_s = 0.05
+    engine = RemoteEngine([good.url], served_model="fake-model", **FAST)
+    stream = engine.stream_chat([{"role": "user", "content": "Hi"}])
+    next(stream)
+    engine.close()                                           # the connection it reads is closed under it
+    with pytest.raises(EngineClosedError, match="closed during this request"):
+        list(stream)
+    assert not engine.router.state()[good.url]["down"]
+    assert engine.cache_report()["replicas"][good.url]["failures"] == 0
+    assert engine.chat([{"role": "user", "content": "Hi"}]).text == good.reply    # a later request reconnects
+
+
+def test_a_chunk_of_the_wrong_shape_is_a_bad_reply_that_fails_over():
+    from openai.types.chat import ChatCompletionChunk
+
+    for choices in ([1], [{"index": 0, "delta": {"tool_calls": [5]}}]):
+        chunk = ChatCompletionChunk.model_construct(id="x", object="chat.completion.chunk", created=0, model="m",
+                                                    choices=choices)
+        with pytest.raises(BadReplyError, match="malformed stream chunk"):
+            ReplyState(0.0).feed("chat", chunk)
+
+
+def test_close_from_another_event_loop_closes_the_idle_loops_client(pair):
+    _, good = pair
+    engine = RemoteEngine(good.url, served_model="fake-model")
+
+    async def ask():
+        return [item async for item in engine.astream_chat([{"role": "user", "content": "Hi"}])][-1]
+
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(ask())                   # its client belongs to `first`, open and idle
+        client = engine.replicas[good.url]._async[first]
+
+        async def close_elsewhere():
+            await engine.aclose()                         # another loop runs in this thread
+
+        asyncio.run(close_elsewhere())
+        assert client.is_closed()
+    finally:
+        first.close()

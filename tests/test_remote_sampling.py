@@ -32,7 +32,7 @@ def test_every_control_goes_to_the_server():
 def test_the_default_request_is_unchanged():
     body = chat_body("m", [], {"max_new_tokens": 4, "temperature": 0.0, "stop": None})
     assert set(body) == {"model", "messages", "stream", "stream_options", "max_tokens", "temperature", "extra_body"}
-    assert body["extra_body"] == {"top_k": 0}
+    assert body["extra_body"] == {"top_k": -1}          # no cut, as vLLM, SGLang and llama-server read it
     assert "logprobs" not in completion_body("m", "p", {"max_new_tokens": 4})
 
 

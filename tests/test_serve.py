@@ -353,6 +353,24 @@ def test_queue_timeout_is_429(smol):
     assert results[0][-1] == "data: [DONE]"
 
 
+def test_what_the_template_or_the_schema_cannot_take_is_a_400(served):
+    _, server = served
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    cases = [({"chat_template_kwargs": {"tokenize": True}}, "cannot set tokenize"),
+             ({"chat_template_kwargs": {"chat_template": "{{ raise_exception('roles must alternate') }}"}},
+              "roles must alternate"),
+             ({"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": {"type": "object", "properties": "x"}}}}, "must be an object of schemas"),
+             ({"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": {"anyOf": 5}}}}, "must be a list of schemas")]
+    for extra, message in cases:
+        refused = _post(server, "/chat/completions", {**body, **extra})
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"], (extra, refused.text)
+    deep = _post(server, "/chat/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert deep.status_code == 400 and "nests JSON deeper" in deep.json()["error"]["message"]
+    assert _post(server, "/chat/completions", {**body, "top_k": -1}).status_code == 200     # vLLM's "off"
+
+
 def test_protocol_maps_and_refuses_fields():
     from kvboost_engine.serve.protocol import BadRequest, engine_parameters, parse_chat, parse_completion
     accepted = engine_parameters()
@@ -364,6 +382,7 @@ def test_protocol_maps_and_refuses_fields():
     assert call.params == {"temperature": 1.0, "max_new_tokens": 5, "min_new_tokens": 2, "stop": ["\n"], "seed": 3,
                            "repetition_penalty": 1.1}
     assert parse_completion({"prompt": ["P"], "logprobs": 2}, accepted).params["top_logprobs"] == 2
+    assert parse_chat({"messages": [doc], "top_k": -1}, accepted).params["top_k"] == 0      # vLLM's "off"
     bad = [({"messages": [doc], "n": 2}, "n"),
            ({"messages": [doc], "stream_options": {"include_usage": True}}, "stream_options"),
            ({"messages": [doc], "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),

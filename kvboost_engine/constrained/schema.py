@@ -43,10 +43,16 @@ def _close(node, keep_open: set[str], path: str = "#") -> None:
     if "properties" in node and not any(key in node for key in _OPEN_KEYS) and path not in keep_open:
         node["additionalProperties"] = False
     for key in _SCHEMA_LISTS:
-        for index, sub in enumerate(node.get(key) or ()):
+        subs = node.get(key)
+        if subs is not None and not isinstance(subs, list):
+            raise InputError(f"JSON schema {path}/{key} must be a list of schemas, got {type(subs).__name__}")
+        for index, sub in enumerate(subs or ()):
             _close(sub, keep_open, f"{path}/{key}/{index}")
     for key in _SCHEMA_MAPS:
-        for name, sub in (node.get(key) or {}).items():
+        subs = node.get(key)
+        if subs is not None and not isinstance(subs, Mapping):
+            raise InputError(f"JSON schema {path}/{key} must be an object of schemas, got {type(subs).__name__}")
+        for name, sub in (subs or {}).items():
             _close(sub, keep_open, f"{path}/{key}/{name}")
     for key in _SCHEMA_VALUES:
         _close(node.get(key), keep_open, f"{path}/{key}")

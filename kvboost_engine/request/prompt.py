@@ -107,6 +107,12 @@ def _part_segment(part, role: str) -> Segment:
     return Segment(text, role)
 
 
+# apply_chat_template's own keywords that would change what it returns (tokens, a dict, tensors) or clash
+# with the arguments the renderer passes; any other template_kwargs go to the template as variables
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "padding",
+                                      "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
 class ChatRenderer:
     """Renders messages with a tokenizer's chat template into segments."""
 
@@ -141,9 +147,26 @@ class ChatRenderer:
         return segments
 
     def _apply(self, messages, add_generation_prompt: bool, template_kwargs: dict) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-        )
+        """The chat as the template renders it. What the caller sent (its messages, its template_kwargs)
+        and the template cannot render together is an InputError: a template's own refusal
+        (`raise_exception`: roles that must alternate...), a keyword apply_chat_template cannot take."""
+        reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InputError(f"template_kwargs cannot set {', '.join(reserved)}: the engine renders the chat "
+                             "as text itself (add_generation_prompt is its own argument)")
+        try:
+            from jinja2 import TemplateError
+        except ImportError:         # transformers says what is missing when it renders
+            TemplateError = TypeError
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        except (TemplateError, TypeError) as err:
+            raise InputError(f"the chat template cannot render these messages: {type(err).__name__}: {err}") from err
+        if not isinstance(rendered, str):
+            raise InputError(f"the chat template rendered {type(rendered).__name__}, not text (check template_kwargs)")
+        return rendered
 
 
 def _split_rendered(rendered: str, parts: list[Segment]) -> list[Segment] | None:

@@ -239,6 +239,8 @@ async def _read_json(request: Request, limit: int):
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as err:
         raise BadRequest(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise BadRequest("the request body nests JSON deeper than the server reads") from None
 
 
 def error_response(err: BaseException, state: ServerState) -> Response:

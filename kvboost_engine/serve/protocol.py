@@ -138,6 +138,8 @@ def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
             continue
         if engine_name not in accepted:
             raise BadRequest(f"{name} is not supported by this engine", name)
+        if name == "top_k" and value == -1 and not isinstance(value, bool):
+            value = 0                   # vLLM's and SGLang's "off" (our remote client sends it), the engine's 0
         params[engine_name] = value
     return params
 

@@ -15,7 +15,7 @@ import difflib
 from kvboost_engine import InputError
 
 from .client import Replica
-from .errors import BadReplyError, ReplicaError, ReplicaUnavailableError, ReplyInterruptedError
+from .errors import BadReplyError, EngineClosedError, ReplicaError, ReplicaUnavailableError, ReplyInterruptedError
 from .engine import REMOTE_OPTIONS, RemoteEngine, RemotePrompt
 from .generation import RemoteGeneration
 from .layout import DOCUMENT_ORDERS, VOLATILE_PATTERNS, LayoutOptions, PromptLayout
@@ -23,7 +23,7 @@ from .routing import POLICIES, HashRing, Router
 from .telemetry import format_report, parse_metrics, prefix_counters
 
 __all__ = ["RemoteEngine", "Replica", "RemoteGeneration", "RemotePrompt", "ReplicaUnavailableError", "connect",
-           "ReplicaError", "ReplyInterruptedError", "BadReplyError",
+           "ReplicaError", "ReplyInterruptedError", "BadReplyError", "EngineClosedError",
            "REMOTE_OPTIONS", "LayoutOptions", "PromptLayout", "DOCUMENT_ORDERS", "VOLATILE_PATTERNS", "Router",
            "HashRing", "POLICIES", "format_report", "parse_metrics", "prefix_counters", "is_remote"]
 

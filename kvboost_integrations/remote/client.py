@@ -26,6 +26,7 @@ SERVER_KINDS = ("vllm", "llamacpp", "kvboost")     # /v1/models owned_by values 
 _FAILOVER_STATUS = (408, 429, 500, 502, 503, 504)
 CONNECT_TIMEOUT_S = 5.0     # to open a connection
 READ_TIMEOUT_S = 30.0       # for the response to start, and between two chunks of a stream
+CLOSE_WAIT_S = 5.0          # the most close() waits for an idle loop's async client to close
 
 
 def _openai():
@@ -80,6 +81,7 @@ class Replica:
         self._sync = None
         self._async: dict[asyncio.AbstractEventLoop, object] = {}
         self._lock = threading.Lock()
+        self.closes = 0             # close() calls so far: a request that sees it change was cut by one
 
     def __repr__(self) -> str:
         return f"Replica({self.url!r})"
@@ -147,6 +149,7 @@ class Replica:
         with self._lock:
             sync, self._sync = self._sync, None
             clients, self._async = self._async, {}
+            self.closes += 1
         if sync is not None:
             sync.close()
         for loop, client in clients.items():
@@ -175,8 +178,13 @@ def _close_on(loop: asyncio.AbstractEventLoop, client) -> None:
         task.add_done_callback(_PENDING_CLOSES.discard)
     elif loop.is_running():
         asyncio.run_coroutine_threadsafe(client.close(), loop)
-    else:
+    elif running is None:
         loop.run_until_complete(client.close())
+    else:
+        # another loop runs in this thread, and one thread cannot run two: close it on a thread of its own
+        closer = threading.Thread(target=loop.run_until_complete, args=(client.close(),), name="kvboost-close")
+        closer.start()
+        closer.join(CLOSE_WAIT_S)
 
 
 _PENDING_CLOSES: set = set()        # close tasks scheduled from sync code on a running loop (kept alive)
@@ -210,7 +218,10 @@ def sampling_body(params: dict) -> dict:
         body["stop"] = list(params["stop"])
     if params.get("logit_bias"):
         body["logit_bias"] = {str(token): bias for token, bias in dict(params["logit_bias"]).items()}
-    extra = {"top_k": params.get("top_k") or 0}       # 0: no top-k cut (vLLM and llama-server alike)
+    # -1: no top-k cut, as every server we know reads it (vLLM, SGLang, llama-server: k <= 0; our own
+    # server); 0 means the same to new vLLM and llama-server but is refused by SGLang and older vLLM.
+    # Sent always: llama-server's own default is 40
+    extra = {"top_k": params.get("top_k") or -1}
     if params.get("min_new_tokens"):
         extra["min_tokens"] = params["min_new_tokens"]
     if params.get("repetition_penalty") not in (None, 1.0):

@@ -16,18 +16,21 @@ generator: text deltas, then the RemoteGeneration) share everything but the awai
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 
 from .client import Replica, describe_failure, is_replica_failure
-from .errors import ReplicaUnavailableError, ReplyInterruptedError
+from .errors import EngineClosedError, ReplicaUnavailableError, ReplyInterruptedError
 from .generation import RemoteGeneration, ReplyState
 from .routing import Router
 from .telemetry import CacheReport
 
 __all__ = ["Dispatcher", "ReplicaUnavailableError"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Dispatcher:
             if cancel.is_set():
                 return RemoteGeneration(finish_reason="cancelled", failovers=list(request.errors))
             replica, reply, cancelled = self.replicas[name], ReplyState(request.started), False
+            closes = replica.closes
             self.router.begin(name)
             try:
                 before = self._counters_before(replica)
@@ -71,8 +75,9 @@ class Dispatcher:
                 if not cancelled:
                     reply.check_complete()
             except Exception as err:
-                self._attempt_failed(name, err, reply, request)
-                continue
+                if not _done_anyway(name, err, reply):
+                    self._attempt_failed(name, err, reply, request, closes)
+                    continue
             finally:
                 self.router.end(name)
             after = replica.prefix_counters() if before is not None else None
@@ -84,6 +89,7 @@ class Dispatcher:
         request = _Request()
         for name in self.router.candidates(key):
             replica, reply = self.replicas[name], ReplyState(request.started)
+            closes = replica.closes
             self.router.begin(name)
             try:
                 before = await asyncio.to_thread(self._counters_before, replica)
@@ -94,8 +100,9 @@ class Dispatcher:
                             yield delta
                 reply.check_complete()
             except Exception as err:
-                self._attempt_failed(name, err, reply, request)
-                continue
+                if not _done_anyway(name, err, reply):
+                    self._attempt_failed(name, err, reply, request, closes)
+                    continue
             finally:
                 self.router.end(name)
             after = await asyncio.to_thread(replica.prefix_counters) if before is not None else None
@@ -107,10 +114,11 @@ class Dispatcher:
         """`call(replica)` on the first replica that answers (for lookups any replica can do)."""
         request = _Request()
         for name in self.router.candidates(0):
+            closes = self.replicas[name].closes
             try:
                 result = call(self.replicas[name])
             except Exception as err:
-                self._attempt_failed(name, err, ReplyState(request.started), request)
+                self._attempt_failed(name, err, ReplyState(request.started), request, closes)
                 continue
             self.router.mark_up(name)
             return result
@@ -123,11 +131,15 @@ class Dispatcher:
             self.report.set_baseline(replica.url, replica.prefix_counters(strict=True))
         return replica.prefix_counters(strict=True) if replica.reports_cached_tokens is False else None
 
-    def _attempt_failed(self, name: str, err: Exception, reply: ReplyState, request: _Request) -> None:
+    def _attempt_failed(self, name: str, err: Exception, reply: ReplyState, request: _Request, closes: int) -> None:
         """Mark a failing replica down and note why; raise what the caller must see: a bad request
-        as it is, a failure after text reached the caller as ReplyInterruptedError."""
+        as it is, a failure after text reached the caller as ReplyInterruptedError. A replica closed
+        under the call (the engine's close() since `closes` was read) is not failing: EngineClosedError."""
         if not is_replica_failure(err):
             raise err
+        if self.replicas[name].closes != closes:
+            raise EngineClosedError(f"the remote engine was closed during this request (replica {name}); "
+                                    f"{reply.received_chars} characters of its reply had reached the caller") from err
         self.router.mark_down(name)
         self.report.failed(name)
         what = describe_failure(err, self.replicas[name])
@@ -151,6 +163,16 @@ class Dispatcher:
                                failovers=list(request.errors), metrics_cached=metrics_cached)
         self.report.add(name, gen.prompt_tokens, gen.server.get("cached_tokens"), gen.ttft_s)
         return gen
+
+
+def _done_anyway(name: str, err: Exception, reply: ReplyState) -> bool:
+    """Whether a stream that broke after a chunk carried its finish_reason is a complete reply all the
+    same (the server said it was done; what was lost is the usage chunk or the end of the stream)."""
+    if reply.finish_reason is None or not is_replica_failure(err):
+        return False
+    log.warning("kvboost remote: replica %s's stream broke after its reply was complete (%s: %s); the reply "
+                "is kept, without the server's usage", name, type(err).__name__, err)
+    return True
 
 
 def _create(client, kind: str, body: dict):

@@ -256,9 +256,16 @@ class RemoteEngine:
         return self.cache_report()
 
     def close(self) -> None:
-        """Close every replica's clients, the async ones included (see `aclose` inside a loop)."""
+        """Close every replica's clients, the async ones included (see `aclose` inside a loop); one
+        that fails to close does not keep the others open (its error is raised after them)."""
+        failed = None
         for replica in self.replicas.values():
-            replica.close()
+            try:
+                replica.close()
+            except Exception as err:  # noqa: BLE001 - close the rest first
+                failed = failed or err
+        if failed is not None:
+            raise failed
 
     async def aclose(self) -> None:
         """`close` from async code: the async clients of the running loop are closed before it returns."""

@@ -8,7 +8,9 @@
 - `BadReplyError`: a replica's reply broke the protocol (no finish_reason, a chunk that is not
   a chat/completion chunk, a body that is not JSON); it counts as a replica failure.
 
-All are `ReplicaError`s, a `KVBoostError` and a `ConnectionError`.
+All are `ReplicaError`s, a `KVBoostError` and a `ConnectionError`. `EngineClosedError` (a
+`KVBoostError`, no replica at fault): the engine's `close()` closed the connection a request was
+reading; the replica is not marked down (a later request opens new connections).
 """
 from __future__ import annotations
 
@@ -42,3 +44,7 @@ class ReplyInterruptedError(ReplicaError):
 
 class BadReplyError(ReplicaError):
     """A replica's reply broke the OpenAI protocol (incomplete stream, malformed chunk, not JSON)."""
+
+
+class EngineClosedError(KVBoostError):
+    """The remote engine's close() closed the connection this request was reading (no replica failed)."""

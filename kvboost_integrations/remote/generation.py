@@ -80,7 +80,10 @@ class ReplyState:
         """Take one chunk of a "chat" or "completion" stream; return its text delta ("" if none)."""
         if not isinstance(getattr(chunk, "choices", None), list):
             raise BadReplyError(f"a stream chunk without a choices list: {str(chunk)[:120]!r}")
-        return self.feed_chat(chunk) if kind == "chat" else self.feed_completion(chunk)
+        try:
+            return self.feed_chat(chunk) if kind == "chat" else self.feed_completion(chunk)
+        except (AttributeError, TypeError) as err:    # a choice, delta or tool call of the wrong shape
+            raise BadReplyError(f"a malformed stream chunk ({type(err).__name__}: {err}): {str(chunk)[:120]!r}") from err
 
     def check_complete(self) -> None:
         """BadReplyError unless a chunk carried the reply's finish_reason (the server said it is done)."""
