@@ -245,8 +245,8 @@ class Decoding:
         gen = self.gen
         gen.finish_reason = reason
         try:
-            tail = self.text.finish()
-            if tail:
+            tail = self._with_logprobs(self.text.finish())    # held-back text, and its tokens' logprobs
+            if tail or getattr(tail, "logprobs", None):               # (entries with no text left: an empty delta)
                 self.request.channel.delta(tail)
             gen.text = self.text.final_text
         except BaseException as err:  # noqa: BLE001 - the caller gets the error instead of the reply
@@ -307,4 +307,6 @@ def _remember_reply(parts: EngineParts, gen: Generation, text: TextAssembler) ->
         ids = text.ids_for(gen.text)          # the tokens before the stop string, if they decode to the text
     if ids is None or text.decode(ids) != gen.text:
         return
+    if text.skip_special_tokens and set(ids) & set(getattr(parts.tokenizer, "all_special_ids", ()) or ()):
+        return      # the text dropped them: a prompt that carries this text must not bring them back
     parts.prompt_tokenizer.remember_reply(gen.text, ids)

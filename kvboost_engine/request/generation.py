@@ -63,7 +63,10 @@ class GenerationStream(Iterator[str]):
 
     `cancel()` (from any thread) stops decoding before the next token; `close()` does the same
     from the consuming side and returns once the request has ended. Either way the KV computed so
-    far is stored consistently.
+    far is stored consistently. A stream its caller leaves unfinished is cancelled too: when an
+    error or an interrupt (Ctrl-C, a timeout) reaches the caller through it, and when it is
+    garbage-collected (a loop that breaks out and drops it) - the request does not decode on to
+    max_new_tokens for no one.
     """
 
     def __init__(self, run: Generator[str, None, Generation], cancel_event: threading.Event):
@@ -77,9 +80,13 @@ class GenerationStream(Iterator[str]):
         except StopIteration as done:
             self.generation = done.value
             raise
-        except TimeoutError:
-            self._cancel.set()              # the caller stops waiting: the request stops too
+        except BaseException:
+            self._cancel.set()              # the caller stops waiting (timeout, interrupt, error): the request stops
             raise
+
+    def __del__(self) -> None:
+        if self.generation is None:
+            self._cancel.set()              # dropped unfinished: nobody reads the rest
 
     def cancel(self) -> None:
         self._cancel.set()

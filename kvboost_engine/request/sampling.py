@@ -190,7 +190,14 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return argmax(logits)
-        logits = logits / p.temperature
+        scaled = logits / p.temperature
+        top = float(scaled.max())
+        if top == float("-inf"):
+            raise InputError("no token can be chosen here: every logit is -inf (a grammar that cannot continue, "
+                             "or logit_bias masking every token)")
+        if top == float("inf"):
+            return argmax(logits)       # a temperature so small the scaled logits overflow: its limit, greedy
+        logits = scaled
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -85,7 +85,11 @@ class Scheduler:
                                   f"room (max_waiting={self.max_waiting}, max_running={self.max_running}); "
                                   "try again later")
             self._waiting.append(request)
-            self._start_thread()
+            try:
+                self._start_thread()
+            except BaseException:
+                self._waiting.remove(request)       # not queued: the caller gets the error, nothing waits
+                raise
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             release_thread_pool()           # the caller now waits: its idle OpenMP workers would slow ours
@@ -98,7 +102,11 @@ class Scheduler:
         with self._cond:
             self._check_open()
             self._tasks.append((fn, future))
-            self._start_thread()
+            try:
+                self._start_thread()
+            except BaseException:
+                self._tasks.remove((fn, future))
+                raise
             self._cond.notify()
         return future.result()
 
@@ -123,10 +131,14 @@ class Scheduler:
             raise KVBoostError("this engine is closed")
 
     def _start_thread(self) -> None:
+        """Start the loop's thread if none runs (under self._cond). A thread that cannot start (a
+        process's thread limit, interpreter shutdown) raises here and leaves no thread recorded, so the
+        next call tries again instead of waiting on a loop that never ran."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
-            _THREADS.add(self._thread)
-            self._thread.start()
+            thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
+            thread.start()
+            self._thread = thread
+            _THREADS.add(thread)
 
     # ---- the loop -----------------------------------------------------------------------
     def _loop(self) -> None:
