@@ -185,3 +185,45 @@ def test_exact_positions_are_never_read_from_a_block_an_inexact_source_wrote():
     assert torch.equal(cache.pool.read(match.table, 0, exact), fake_kv(tokens, 0, exact))
     cache.release(match.table)
     cache.check_invariants()
+
+
+def test_a_disk_entry_the_cache_cannot_hold_is_neither_read_nor_allowed_to_flush_it(tmp_path):
+    """A chunk written by a run with a larger cache_bytes (same directory): a smaller cache skips it
+    before reading it, and keeps what it holds (it used to read it, evict every other chunk to
+    adopt it, drop it too, and do so again on every lookup)."""
+    from kvboost_engine.kv.disk import DiskTier
+    from kvboost_engine.kv.pool import BlockPool
+
+    def cache_over(directory, budget_tokens):
+        pool = BlockPool(GEOMETRY, 2 * budget_tokens * BYTES_PER_TOKEN, "cpu", block_tokens=BLOCK)
+        disk = DiskTier(directory, 1 << 20, b"fp" * 8, fsync=False)
+        return ChunkCache(b"fp" * 8, budget_tokens * BYTES_PER_TOKEN, pool, disk), disk
+
+    big, disk = cache_over(tmp_path, 64)
+    doc = list(range(100, 140)) + [7]
+    big.insert(doc, [40, 41], 40, Source(big.pool, doc))
+    disk.flush()
+    disk.close()
+    small, disk = cache_over(tmp_path, 32)
+    hot = [list(range(1, 10)), list(range(11, 20))]
+    for tokens in hot:
+        insert(small, tokens, [len(tokens)])
+    for _ in range(3):
+        match = small.match(doc, 40, [40, 41])
+        small.release(match.table)
+        assert match.length == 0
+    assert [small.cached_prefix(tokens, len(tokens)) for tokens in hot] == [9, 9]
+    assert small.stats()["evictions"] == 0 and disk.stats()["bytes_read"] == 0
+    small.check_invariants()
+    disk.close()
+
+
+def test_make_room_does_not_count_the_ancestors_of_a_protected_chunk_as_freeable():
+    cache = make_cache(budget_tokens=64, pool_tokens=64)          # 16 blocks of 4 tokens
+    insert(cache, list(range(100, 132)), [16, 32])                # A1 [0, 16) -> A2 [16, 32): 8 blocks
+    insert(cache, list(range(1, 9)), [8])                         # C: 2 blocks
+    cache.pool.allocate(6)                                        # running requests hold the rest
+    a2 = next(n for n in cache.tree.nodes.values() if n.end == 32)
+    cache.make_room(4, {a2.uid})        # only C (2 blocks) can go: A1 never becomes a leaf above A2
+    assert cache.stats()["nodes"] == 3 and cache.stats()["evictions"] == 0
+    cache.check_invariants()

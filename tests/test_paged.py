@@ -1,4 +1,5 @@
 """Paged KV: identical output to the contiguous path, shared blocks, hard budgets, disk tier, spill."""
+import errno
 import os
 import subprocess
 import sys
@@ -113,6 +114,25 @@ def test_spill_runs_a_context_longer_than_the_pool_only_with_the_disk_tier(smol,
     assert out.prompt_tokens > 4 * 1024
     assert out.token_ids == reference.token_ids
     assert spilled.stats()["pool_peak_blocks_used"] > spilled.stats()["pool_ram_blocks"]
+    pool = spilled.cache.pool                            # the spill file got its disk space before its first write
+    assert os.fstat(pool._spill_fd).st_blocks * 512 >= pool.spill.numel() * pool.spill.element_size()
+
+
+def test_a_spill_file_the_disk_cannot_hold_refuses_the_request_not_the_process(smol, tmp_path, monkeypatch):
+    tokenizer = smol[1]
+    model = tiny_model("llama", max_position_embeddings=16384)
+    geometry_bytes = 2 * 2 * 2 * 16 * 4
+    engine = Engine(model, tokenizer, disk_cache_dir=str(tmp_path), cache_bytes=0, kv_pool_bytes=1024 * geometry_bytes)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)     # a full disk: the first write to the mapping would SIGBUS
+    with pytest.raises(BudgetError, match="spill file cannot get"):
+        engine.generate("Numbers: " + " ".join(str(i) for i in range(3000)), max_new_tokens=2)
+    assert engine.cache.pool.used_blocks() == 0          # nothing held by the refused request
+    assert engine.generate("Short.", max_new_tokens=2).completion_tokens >= 1
+    engine.close()
 
 
 RESTART_SCRIPT = """

@@ -40,10 +40,20 @@ class CacheBudget:
 
     def fitting(self, pieces: list[tuple[int, int]], path: list[Node]) -> list[tuple[int, int]]:
         """The leading pieces whose blocks fit the budget next to pinned chunks and the path."""
-        kept = {b for n in self.tree.nodes.values() if n.pinned for b in n.blocks} | {b for n in path for b in n.blocks}
-        room = self.budget_bytes // self.pool.block_bytes - len(kept)
+        room = self._room(path)
         b = self.pool.block_tokens
         return [piece for piece in pieces if len(blocks_for(pieces[0][0], piece[1], b)) <= room]
+
+    def fitting_end(self, start: int, path: list[Node]) -> int:
+        """The furthest position whose KV from `start` on could be cached next to pinned chunks and the
+        path (`start` itself when nothing more fits): how far a disk read is worth going."""
+        b = self.pool.block_tokens
+        return max(start, (start // b + self._room(path)) * b)
+
+    def _room(self, path: list[Node]) -> int:
+        """Blocks the budget has beside pinned chunks and the path's own."""
+        kept = {b for n in self.tree.nodes.values() if n.pinned for b in n.blocks} | {b for n in path for b in n.blocks}
+        return self.budget_bytes // self.pool.block_bytes - len(kept)
 
     def enforce(self, protected: set[int], created: list[Node]) -> None:
         """Evict old leaves until the cache holds at most its budget; if that is not enough,
@@ -74,8 +84,10 @@ class CacheBudget:
             self.evict(victim)
 
     def _freeable(self, protected: set[int]) -> int:
-        """Blocks that evicting unpinned, unprotected chunks would free (held by nothing else)."""
-        kept = {b for n in self.tree.nodes.values() if n.pinned or n.uid in protected for b in n.blocks}
+        """Blocks that evicting unpinned, unprotected chunks would free (held by nothing else). Only
+        leaves go, so a kept chunk keeps its ancestors too (they never become leaves above it)."""
+        keep = [n for n in self.tree.nodes.values() if n.pinned or n.uid in protected]
+        kept = {b for n in keep for m in self.tree.path_nodes(n) for b in m.blocks}
         candidates = np.flatnonzero(self.pool.only_cached())
         return len(set(candidates.tolist()) - kept)
 

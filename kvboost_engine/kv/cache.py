@@ -70,8 +70,12 @@ class ChunkCache:
             self.counters.lookups += 1
             match, node, offset = self.tree.walk(tokens, limit)
             probe = self.restore is not None and offset < limit and (node is self.tree.root or offset == node.end)
+            if probe:                   # read no further than the cache could keep: an entry it cannot hold
+                path = [n for span in match.spans for n, _, _ in span.pieces]      # would be read for nothing
+                reach = min(limit, self.budget.fitting_end(offset, path))
+                probe = reach > offset
         if probe:
-            entries = self.restore.read(tokens, limit, chunk_ends, offset)     # file I/O without the lock
+            entries = self.restore.read(tokens, reach, chunk_ends, offset)     # file I/O without the lock
         with self._lock:
             if probe:
                 match, node, offset = self.tree.walk(tokens, limit)
@@ -204,6 +208,8 @@ class ChunkCache:
     def _adopt_one(self, path: list[Node], tokens, start: int, end: int, kv, exact: bool) -> Node | None:
         parent = path[-1] if path else self.tree.root
         indices = blocks_for(start, end, self.block_tokens)
+        if not self.budget.fitting([(start, end)], path):
+            return None                 # (pins taken since the read) it could not stay: evict nothing for it
         self.budget.make_room(len(indices), {n.uid for n in path})
         try:
             blocks = self.pool.allocate(len(indices))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -40,7 +41,11 @@ class BlockPool:
         g, b = geometry, block_tokens
         self.ram = torch.empty(2, g.num_layers, g.kv_heads, max(self.ram_blocks, 1) * b, g.row_width,
                                dtype=g.dtype, device=device, pin_memory=pin_memory)
-        self.spill = _spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks else None
+        self.spill, self._spill_fd = (_spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks
+                                      else (None, None))
+        self._spill_reserved = False    # the spill file's disk space, taken when a block first lands there
+        if self._spill_fd is not None:
+            weakref.finalize(self, os.close, self._spill_fd)     # the file (and its space) goes with the pool
         total = self.ram_blocks + self.spill_blocks
         self.refs = np.zeros((2, total), dtype=np.int64)        # [holder kind, block]
         self._lock = threading.RLock()
@@ -74,9 +79,23 @@ class BlockPool:
                     f"{self.block_tokens} tokens) but only {len(free) * self.block_bytes} are free "
                     f"(pool: {self.total_blocks * self.block_bytes} bytes)")
             chosen = _consecutive_first(free, count, self.ram_blocks)
+            if not self._spill_reserved and int(chosen.max()) >= self.ram_blocks:
+                self._reserve_spill()
             self.refs[IN_USE, chosen] = 1
             self.peak_used = max(self.peak_used, self.total_blocks - int(self._free_mask().sum()))
             return chosen.tolist()
+
+    def _reserve_spill(self) -> None:
+        """Give the (sparse) spill file its disk space before its first block is used: a page of a
+        mapped file that the disk cannot hold kills the process on its first write (SIGBUS), so a
+        disk without the room refuses the request here instead (nothing allocated)."""
+        size = self.spill.numel() * self.spill.element_size()
+        try:
+            os.posix_fallocate(self._spill_fd, 0, size)
+        except OSError as err:
+            raise BudgetError(f"the KV spill file cannot get its {size} bytes of disk ({err.strerror or err}); "
+                              "this request needs more KV than the RAM pool holds") from err
+        self._spill_reserved = True
 
     def retain(self, blocks, holder: int = IN_USE) -> None:
         if len(blocks):
@@ -164,12 +183,18 @@ def _consecutive_first(free: np.ndarray, count: int, ram_blocks: int) -> np.ndar
     return free[:count]
 
 
-def _spill_tensor(directory: str, blocks: int, g: KVGeometry, block_tokens: int) -> torch.Tensor:
+def _spill_tensor(directory: str, blocks: int, g: KVGeometry, block_tokens: int) -> tuple[torch.Tensor, int]:
+    """The spill storage, mapped from a sparse file that is already unlinked, and the file's descriptor
+    (kept open to reserve its disk space later: `BlockPool._reserve_spill`)."""
     os.makedirs(directory, exist_ok=True)
     handle, path = tempfile.mkstemp(prefix="spill-", suffix=".kv", dir=directory)
-    os.close(handle)
-    shape = (2, g.num_layers, g.kv_heads, blocks * block_tokens, g.row_width)
-    numel = int(np.prod(shape))
-    tensor = torch.from_file(path, shared=True, size=numel, dtype=g.dtype).view(shape)
-    os.unlink(path)                  # the mapping keeps the (sparse) file alive until exit
-    return tensor
+    try:
+        shape = (2, g.num_layers, g.kv_heads, blocks * block_tokens, g.row_width)
+        numel = int(np.prod(shape))
+        tensor = torch.from_file(path, shared=True, size=numel, dtype=g.dtype).view(shape)
+    except BaseException:
+        os.close(handle)
+        raise
+    finally:
+        os.unlink(path)              # the mapping and the descriptor keep the file alive until exit
+    return tensor, handle

@@ -57,10 +57,14 @@ class DiskRestore:
 
     def write(self, pending: list[PendingWrite]) -> None:
         """Queue the KV of pending nodes for the disk (without the cache lock)."""
-        for item in pending:
+        for index, item in enumerate(pending):
             try:
                 kv = self.codec.encode(self.pool.read(item.table, item.start, len(item.tokens)))
                 self.disk.put_async(item.key, item.start, item.tokens, kv, item.exact)
+            except BaseException:
+                for rest in pending[index + 1:]:        # not written either: their references go too
+                    self.pool.release([b for b in rest.table if b is not None])
+                raise
             finally:
                 self.pool.release([b for b in item.table if b is not None])
 
