@@ -1,5 +1,6 @@
 """ChatKVBoost / KVBoostLLM behaviour: the complaints about other HF wrappers, one test each."""
 import json
+import time
 from typing import Annotated, Literal
 
 import pytest
@@ -9,6 +10,7 @@ pytest.importorskip("langchain_core")
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
+from holds import Hold  # noqa: E402
 from kvboost_engine import Engine, Generation  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM, document_block  # noqa: E402
 from kvboost_integrations.langchain.reply import ChatReply as _Reply  # noqa: E402
@@ -265,3 +267,40 @@ def test_the_hf_wrappers_argument_names_are_refused_with_a_hint():
     silently loaded default model."""
     with pytest.raises(ValueError, match=r"unexpected argument 'model_id'; did you mean 'model'\?.*Accepted:.*engine_kwargs"):
         ChatKVBoost(model_id="x")
+
+
+def test_engine_options_beside_engine_are_refused_and_the_cache_key_tells_configurations_apart(lc_engine):
+    for option in (dict(dtype="bfloat16"), dict(moved_reuse="blend"), dict(engine_kwargs={"weights": "int4"})):
+        with pytest.raises(ValueError, match="with engine="):
+            ChatKVBoost(engine=lc_engine, **option)
+    keys = {ChatKVBoost()._get_llm_string(), ChatKVBoost(dtype="bfloat16")._get_llm_string(),
+            ChatKVBoost(moved_reuse="blend")._get_llm_string(), ChatKVBoost(engine_kwargs={"weights": "int4"})._get_llm_string(),
+            ChatKVBoost(document_order="cache")._get_llm_string(), ChatKVBoost(reasoning=True)._get_llm_string(),
+            ChatKVBoost(engine=lc_engine)._get_llm_string()}
+    assert len(keys) == 7                                       # none loads a model (engines load on first use)
+    assert KVBoostLLM(dtype="bfloat16").dict() != KVBoostLLM().dict()       # BaseLLM's cache key
+    assert ChatKVBoost(dtype="bfloat16")._get_llm_string() == ChatKVBoost(dtype="bfloat16")._get_llm_string()
+    assert lc_engine.fingerprint.hex() in ChatKVBoost(engine=lc_engine)._get_llm_string()
+
+
+def test_timeout_covers_the_wait_before_the_first_token(lc_engine):
+    hold = Hold(at=1)                              # another request holds the scheduler thread at its first token
+    busy = lc_engine.stream_chat([{"role": "user", "content": "Hi"}], constraint=hold, max_new_tokens=2)
+    try:
+        assert hold.reached.wait(30)
+        for llm in (ChatKVBoost(engine=lc_engine, max_tokens=4, timeout=0.3),
+                    KVBoostLLM(engine=lc_engine, max_tokens=4, timeout=0.3)):
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                llm.invoke("Hello")                # no token can come: only the engine's own bound ends the wait
+            assert time.monotonic() - started < 10
+    finally:
+        hold.release.set()
+        busy.close()
+
+
+def test_a_v1_history_with_a_call_that_did_not_parse_converts():
+    call = {"type": "invalid_tool_call", "id": "c1", "name": "get_weather", "args": "{bad", "error": None}
+    bad = AIMessage(content=[{"type": "text", "text": "Let me look."}, call], invalid_tool_calls=[call])
+    converted = to_engine_messages([HumanMessage("Weather?"), bad], native_tools=False)
+    assert converted[1]["role"] == "assistant" and "Let me look." in json.dumps(converted[1]["content"])

@@ -34,6 +34,10 @@ def test_metadata_reports_the_model(llm, engine):
     assert meta.num_output == 4 and meta.is_chat_model and meta.is_function_calling_model
     assert meta.model_name == engine.model_name
     assert KVBoost(engine=engine, context_window=2048).metadata.context_window == 2048
+    assert KVBoost(engine=engine, additional_kwargs={"max_tokens": 1024}).metadata.num_output == 1024
+    for option in (dict(dtype="bfloat16"), dict(moved_reuse="blend"), dict(engine_kwargs={"weights": "int4"})):
+        with pytest.raises(InputError, match="with engine="):
+            KVBoost(engine=engine, **option)
 
 
 def test_chat_matches_the_engine_and_reports_usage_and_reuse(llm, engine):

@@ -5,6 +5,7 @@ SmolLM2-135M does not decide to call tools on its own, so where the agent needs 
 forced (tool_choice); the calls' arguments are still the model's, under the tool's schema."""
 
 import asyncio
+import json
 from typing import Annotated, Literal, Optional
 
 import pytest
@@ -161,3 +162,34 @@ def test_structured_predict_cut_short_says_so(tools_engine):
 
     with pytest.raises(ValueError, match="max_new_tokens"):
         KVBoost(engine=tools_engine, max_new_tokens=4).structured_predict(Story, PromptTemplate("A story."))
+
+
+def test_streamed_structured_output_builds_the_object_structured_predict_gives(tools_engine):
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    llm = KVBoost(engine=tools_engine, max_new_tokens=60)
+    prompt = PromptTemplate("Extract: {text}")
+    whole = llm.structured_predict(Person, prompt, text="John is 30.")
+    streamed = list(llm.stream_structured_predict(Person, prompt, text="John is 30."))
+    assert len(streamed) > 2 and streamed[-1] == whole and isinstance(streamed[-1], Person)
+    assert any(getattr(partial, "age", None) is None for partial in streamed[:-1])     # partial objects first
+
+    async def collect():
+        return [item async for item in await llm.astream_structured_predict(Person, prompt, text="John is 30.")]
+
+    assert asyncio.run(collect())[-1] == whole
+    chat = list(llm.as_structured_llm(Person).stream_chat([ChatMessage(role="user", content="John is 30.")]))
+    assert chat[-1].raw == whole
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(KVBoost(engine=tools_engine, max_new_tokens=4).stream_structured_predict(Person, prompt, text="x"))
+
+
+def test_a_reply_with_calls_lists_them_where_llama_index_core_looks(llm):
+    response = llm.chat_with_tools(TOOLS, user_msg="What is the temperature in Paris?", tool_choice="get_temperature")
+    block = next(b for b in response.message.blocks if isinstance(b, ToolCallBlock))
+    [call] = response.message.additional_kwargs["tool_calls"]
+    assert call["id"] == block.tool_call_id and call["function"]["name"] == "get_temperature"
+    assert json.loads(call["function"]["arguments"]) == block.tool_kwargs
+    assert to_engine_messages([response.message], native_tools=True)[0]["tool_calls"].__len__() == 1   # once

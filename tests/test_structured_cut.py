@@ -35,6 +35,18 @@ def test_a_cut_structured_reply_raises_and_names_the_budget(cut_engine, method):
         llm.with_structured_output(ORDER, method=method).invoke(ASK)
 
 
+def test_a_streamed_structured_reply_gives_partial_objects_then_the_whole_or_the_cut(cut_engine):
+    person = {"title": "Person", "type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    llm = ChatKVBoost(engine=cut_engine, max_tokens=40)
+    structured = llm.with_structured_output(person)
+    whole = structured.invoke("Extract: John is 30.")
+    streamed = list(structured.stream("Extract: John is 30."))
+    assert len(streamed) > 2 and streamed[-1] == whole                # partial objects first, as ChatOpenAI's
+    with pytest.raises(LengthCutError, match=r"finish_reason='length' after 24 tokens"):
+        list(ChatKVBoost(engine=cut_engine, max_tokens=24).with_structured_output(ORDER).stream(ASK))
+
+
 def test_include_raw_gives_the_cut_as_parsing_error(cut_engine):
     llm = ChatKVBoost(engine=cut_engine, max_tokens=24)
     out = llm.with_structured_output(ORDER, include_raw=True).invoke(ASK)

@@ -111,7 +111,28 @@ class KVBoostSettings(BaseModel):
             local = [name for name in _LOCAL_OPTIONS if getattr(self, name) is not None]
             if local:
                 raise ValueError(f"{', '.join(local)} configure an embedded engine; they cannot be used with endpoint=")
+        elif self.engine is not None:
+            ignored = [name for name in (*_LOCAL_OPTIONS[1:], "engine_kwargs") if getattr(self, name) is not None]
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)} configure the engine this class would load; with engine= "
+                                 "they are that engine's own (set them where it is built)")
         return self
+
+    def engine_identity(self) -> dict[str, Any]:
+        """What besides the sampling controls decides a reply: the engine's settings (model, device,
+        dtype, moved_reuse, engine_kwargs such as weights, or the endpoint), an engine given as
+        `engine=` (its KV fingerprint: weights, dtype, quantization; a remote one's replicas) and
+        document_order. Part of `_identifying_params`, so LangChain's LLM cache (keyed on them) never
+        serves one configuration's reply to another; the same across processes for the same settings."""
+        identity: dict[str, Any] = {name: getattr(self, name) for name in ("model", "device", "dtype", "moved_reuse",
+                                                                            "endpoint", "served_model", "document_order")}
+        if self.engine_kwargs:
+            identity["engine_kwargs"] = repr(sorted(self.engine_kwargs.items(), key=lambda item: item[0]))
+        if self.engine is not None:
+            fingerprint = getattr(self.engine, "fingerprint", None)
+            identity["engine"] = (fingerprint.hex() if isinstance(fingerprint, bytes)
+                                  else repr(sorted(getattr(self.engine, "replicas", {}))))
+        return identity
 
     def get_engine(self) -> Engine | RemoteEngine:
         """The engine, loaded (or looked up among shared engines) on first use."""

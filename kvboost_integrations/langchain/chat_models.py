@@ -63,7 +63,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, **self.sampling_settings()}
+        return {"model_name": self.model_name, **self.sampling_settings(), **self.engine_identity(),
+                "reasoning": self.reasoning}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(**self.ls_params(stop, kwargs, "chat"))
@@ -98,6 +99,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
             return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
                                       tool_choice=choice, response_format=response_format,
                                       template_kwargs=thinking or None, **params)
+        if self.timeout is not None:        # the engine's own bound also covers queueing and prefill
+            params = {**params, "timeout_s": self.timeout}
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         if self.document_order == "cache":
@@ -166,6 +169,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         engine = self.get_engine()
         if is_remote(engine):
             return engine.count_tokens(to_engine_messages(messages, native_tools=True), tools=formatted or None)
+        if self.timeout is not None:        # the engine's own bound also covers queueing and prefill
+            params = {**params, "timeout_s": self.timeout}
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         chat, template_kwargs = with_tools(chat, formatted, fmt) if formatted else (chat, {})

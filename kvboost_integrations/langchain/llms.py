@@ -42,7 +42,7 @@ class KVBoostLLM(KVBoostSettings, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, **self.sampling_settings()}
+        return {"model_name": self.model_name, **self.sampling_settings(), **self.engine_identity()}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(**self.ls_params(stop, kwargs, "llm"))
@@ -54,7 +54,9 @@ class KVBoostLLM(KVBoostSettings, BaseLLM):
             engine = self.get_engine()
             if is_remote(engine):
                 check_server(engine.server_info().kind, params)
-            return engine.stream(prompt, **params)
+                return engine.stream(prompt, **params)
+            timeout = {} if self.timeout is None else {"timeout_s": self.timeout}   # queueing and prefill too
+            return engine.stream(prompt, **params, **timeout)
         return start
 
     def _chunk(self, item: str | Generation, trail: LogprobTrail) -> GenerationChunk:

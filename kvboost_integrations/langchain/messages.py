@@ -16,7 +16,8 @@ from .._toolcalls import calls_as_text, native_call, native_call_id
 DOCUMENT_FLAG = "kvboost_document"
 _ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant",
           "system": "system", "developer": "system", "tool": "tool", "function": "tool"}
-_SKIPPED_BLOCKS = {"tool_use", "tool_call", "thinking", "reasoning", "redacted_thinking"}
+_SKIPPED_BLOCKS = {"tool_use", "tool_call", "invalid_tool_call", "tool_call_chunk", "thinking", "reasoning",
+                   "redacted_thinking"}
 
 
 def document_block(text: str) -> dict:

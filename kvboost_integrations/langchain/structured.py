@@ -3,12 +3,13 @@ cut (finish_reason "length") is an error, never a partial object (as ChatOpenAI'
 LengthFinishReasonError)."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from operator import itemgetter
 from typing import Any
 
 from langchain_core.exceptions import OutputParserException
-from langchain_core.messages import BaseMessage
-from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.messages import BaseMessage, BaseMessageChunk
+from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap, RunnablePassthrough
 
 
 class LengthCutError(OutputParserException):
@@ -27,10 +28,34 @@ def complete_reply(message: BaseMessage) -> BaseMessage:
                          "raise max_tokens, or ask for a shorter object", llm_output=str(message.content)[:2000])
 
 
+def _so_far(whole: BaseMessage | None, chunk: BaseMessage) -> BaseMessage:
+    return whole + chunk if isinstance(whole, BaseMessageChunk) and isinstance(chunk, BaseMessageChunk) else chunk
+
+
+def _complete_chunks(chunks: Iterator[BaseMessage]) -> Iterator[BaseMessage]:
+    """The reply's chunks passed on as they come (the parser after it streams partial objects), checked
+    with `complete_reply` on the reply so far: the last chunk, which carries the finish_reason, raises
+    LengthCutError where the budget cut it."""
+    whole = None
+    for chunk in chunks:
+        whole = _so_far(whole, chunk)
+        complete_reply(whole)
+        yield chunk
+
+
+async def _acomplete_chunks(chunks: AsyncIterator[BaseMessage]) -> AsyncIterator[BaseMessage]:
+    whole = None
+    async for chunk in chunks:
+        whole = _so_far(whole, chunk)
+        complete_reply(whole)
+        yield chunk
+
+
 def structured_chain(llm: Runnable, parser: Runnable, include_raw: bool) -> Runnable[Any, Any]:
     """llm | (length check) | parser; with include_raw, {"raw", "parsed", "parsing_error"} where a cut
-    reply or a parse failure is the parsing_error and parsed is None."""
-    checked = RunnableLambda(complete_reply) | parser
+    reply or a parse failure is the parsing_error and parsed is None. Streamed, it yields the parser's
+    partial objects as the reply's chunks arrive (as ChatOpenAI's structured output does)."""
+    checked = RunnableGenerator(_complete_chunks, _acomplete_chunks, name="complete_reply") | parser
     if not include_raw:
         return llm | checked
     parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | checked, parsing_error=lambda _: None)

@@ -166,7 +166,9 @@ class ResponseShaper:
             blocks += [_call_block(call) for call in self._calls]
         elif isinstance(item, Generation):      # calls a server parsed (over an endpoint)
             blocks += [_call_block({**call, "args": call["arguments"]}) for call in getattr(item, "tool_calls", ())]
-        message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
+        calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
+        kwargs = {"tool_calls": [_openai_call(b) for b in calls]} if calls else {}
+        message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=kwargs)
         return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra, logprobs=self._so_far())
 
     def completion(self, item: str | Generation) -> CompletionResponse:
@@ -224,6 +226,13 @@ def token_logprobs(entry: dict) -> list[LogProb]:
               for alt in entry.get("top_logprobs") or ()
               if alt.get("token_id", alt["token"]) != entry.get("token_id", entry["token"])]
     return [chosen, *others]
+
+
+def _openai_call(block: ToolCallBlock) -> dict:
+    """A call as OpenAI's message dict, also under the message's additional_kwargs["tool_calls"]: where
+    LlamaIndex's own code looks (streamed structured output, chat engines' is_function, memory)."""
+    args = block.tool_kwargs if isinstance(block.tool_kwargs, str) else json.dumps(block.tool_kwargs)
+    return {"id": block.tool_call_id, "type": "function", "function": {"name": block.tool_name, "arguments": args}}
 
 
 def _call_block(call: dict) -> ToolCallBlock:

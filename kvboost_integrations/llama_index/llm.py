@@ -21,6 +21,7 @@ from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndE
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.prompts import BasePromptTemplate
 
 from kvboost_engine import Engine, InputError
@@ -96,6 +97,10 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
         local = [name for name in _LOCAL_OPTIONS if data.get(name) is not None] + (["engine"] if engine else [])
         if data.get("endpoint") is not None and local:
             raise InputError(f"{', '.join(local)} configure an embedded engine; they cannot be used with endpoint=")
+        ignored = [name for name in (*_LOCAL_OPTIONS, "engine_kwargs") if data.get(name) is not None]
+        if engine is not None and ignored:
+            raise InputError(f"{', '.join(ignored)} configure the engine this class would load; with engine= they "
+                             "are that engine's own (set them where it is built)")
         super().__init__(**data)
         self._engine = engine
         self._custom_completion_to_prompt = data.get("completion_to_prompt") is not None
@@ -122,7 +127,8 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         """context_window and num_output as LlamaIndex packs prompts with them: the model's window
-        (or the smaller `context_window` given) and `num_output` (default: max_new_tokens)."""
+        (or the smaller `context_window` given) and `num_output` (default: the max_new_tokens a call
+        gets, `additional_kwargs`' max_tokens included)."""
         engine = self.engine
         window = engine.context_window
         if self.context_window is not None and self.context_window > window:
@@ -130,7 +136,7 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
                              f"{window} tokens")
         return LLMMetadata(
             context_window=self.context_window or window,
-            num_output=self.num_output or self.max_new_tokens,
+            num_output=self.num_output or self._params({}).get("max_new_tokens", self.max_new_tokens),
             is_chat_model=True,
             is_function_calling_model=True,
             model_name=engine.model_name,
@@ -293,6 +299,44 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
         result = parse_structured(output_cls, response)
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
+
+    def _structured_stream_call(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any):
+        """What `stream_structured_predict` (and `as_structured_llm(...).stream_chat`) yields: partial
+        objects (LlamaIndex's flexible model: every field optional) as the JSON is generated under
+        `output_cls`'s schema, as `structured_predict` generates it, then the whole `output_cls` object
+        (ValueError if max_new_tokens cuts it short)."""
+        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
+        responses = self.stream_chat(messages, constraint=JsonSchema(output_cls.model_json_schema()),
+                                     **(llm_kwargs or {}))
+
+        def objects():
+            previous = None
+            for response in responses:
+                if previous is not None:
+                    yield process_streaming_objects(previous, output_cls, flexible_mode=True)
+                previous = response
+            if previous is not None:
+                yield parse_structured(output_cls, previous)
+        return objects()
+
+    async def _structured_astream_call(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                       llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any):
+        """`_structured_stream_call` decoded off the event loop."""
+        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
+        responses = await self.astream_chat(messages, constraint=JsonSchema(output_cls.model_json_schema()),
+                                            **(llm_kwargs or {}))
+
+        async def objects():
+            previous = None
+            async for response in responses:
+                if previous is not None:
+                    yield process_streaming_objects(previous, output_cls, flexible_mode=True)
+                previous = response
+            if previous is not None:
+                yield parse_structured(output_cls, previous)
+        return objects()
+
 
 def _set_order(settings) -> str | None:
     """The document_order field when it was given (it then reaches a remote engine's layout)."""
