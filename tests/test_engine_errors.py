@@ -20,6 +20,7 @@ OK = [{"role": "user", "content": "Say hi."}]
     (lambda e: e.chat(OK, temperature=-0.1), "temperature must be a finite number >= 0"),
     (lambda e: e.chat(OK, top_p=0), r"top_p must be in \(0, 1\]"),
     (lambda e: e.chat(OK, top_k=-1), "top_k must be an int >= 0"),
+    (lambda e: e.chat(OK, max_tokens=5), r"unknown request parameters \['max_tokens'\] \(max_new_tokens is"),
     (lambda e: e.chat(OK, stop=[3]), "stop must be a string or a list of strings"),
     (lambda e: e.chat(OK, stop=5), "stop must be a string or a list of strings"),
     (lambda e: e.chat(OK, temperature=float("nan")), "temperature must be a finite number >= 0"),

@@ -1,6 +1,7 @@
 """Sampling parameters (validated) and the token sampler."""
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -219,3 +220,6 @@ def argmax(logits: torch.Tensor) -> int:
         return int(logits.numpy().argmax())
     return int(torch.argmax(logits))
 
+
+SAMPLING_NAMES = frozenset(inspect.signature(SamplingParams.build).parameters) - {"cls"}
+"""What a request may set besides its constraint and timeout_s (SamplingParams.build's arguments)."""
