@@ -383,7 +383,7 @@ def test_protocol_maps_and_refuses_fields():
                            "repetition_penalty": 1.1}
     assert parse_completion({"prompt": ["P"], "logprobs": 2}, accepted).params["top_logprobs"] == 2
     assert parse_chat({"messages": [doc], "top_k": -1}, accepted).params["top_k"] == 0      # vLLM's "off"
-    bad = [({"messages": [doc], "n": 2}, "n"),
+    bad = [({"messages": [doc], "n": 2}, "n"), ({"messages": [doc], "n": True}, "n"),
            ({"messages": [doc], "stream_options": {"include_usage": True}}, "stream_options"),
            ({"messages": [doc], "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -74,19 +74,23 @@ class ChunkCache:
                 path = [n for span in match.spans for n, _, _ in span.pieces]      # would be read for nothing
                 reach = min(limit, self.budget.fitting_end(offset, path))
                 probe = reach > offset
-        if probe:
-            entries = self.restore.read(tokens, reach, chunk_ends, offset)     # file I/O without the lock
+            if not probe:               # the table from the same walk, under the same lock
+                return self._settle_match(match, offset)
+        entries = self.restore.read(tokens, reach, chunk_ends, offset)         # file I/O without the lock
         with self._lock:
-            if probe:
+            match, node, offset = self.tree.walk(tokens, limit)
+            if entries and (node is self.tree.root or offset == node.end):
+                path = [n for span in match.spans for n, _, _ in span.pieces]
+                self._adopt(entries, tokens, path, offset)
                 match, node, offset = self.tree.walk(tokens, limit)
-                if entries and (node is self.tree.root or offset == node.end):
-                    path = [n for span in match.spans for n, _, _ in span.pieces]
-                    self._adopt(entries, tokens, path, offset)
-                    match, node, offset = self.tree.walk(tokens, limit)
-            match.table = self.tree.table_of(match.spans, 0, offset)
-            self.counters.hits += bool(match.spans)
-            self.counters.misses += not match.spans
-            self.counters.hit_tokens += offset
+            return self._settle_match(match, offset)
+
+    def _settle_match(self, match: Match, offset: int) -> Match:
+        """The match's block table (references for the caller) and the lookup counters (lock held)."""
+        match.table = self.tree.table_of(match.spans, 0, offset)
+        self.counters.hits += bool(match.spans)
+        self.counters.misses += not match.spans
+        self.counters.hit_tokens += offset
         return match
 
     def cached_prefix(self, tokens: list[int], limit: int) -> int:

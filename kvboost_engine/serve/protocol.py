@@ -109,7 +109,7 @@ def _common(body: dict, kind: str, payload, accepted: frozenset[str]) -> Call:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
-    if body.get("n") not in (None, 1):
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise BadRequest("n must be 1 (one choice per request)", "n")
     stream = _bool(body, "stream")
     options = _optional_object(body, "stream_options") or {}
