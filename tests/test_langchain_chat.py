@@ -281,6 +281,12 @@ def test_engine_options_beside_engine_are_refused_and_the_cache_key_tells_config
     assert KVBoostLLM(dtype="bfloat16").dict() != KVBoostLLM().dict()       # BaseLLM's cache key
     assert ChatKVBoost(dtype="bfloat16")._get_llm_string() == ChatKVBoost(dtype="bfloat16")._get_llm_string()
     assert lc_engine.fingerprint.hex() in ChatKVBoost(engine=lc_engine)._get_llm_string()
+    blend = Engine(lc_engine.model, lc_engine.tokenizer, moved_reuse="blend")    # same weights, other options
+    assert ChatKVBoost(engine=blend)._get_llm_string() != ChatKVBoost(engine=lc_engine)._get_llm_string()
+    blend.close()
+    assert ChatKVBoost(engine=lc_engine, engine_kwargs={}).engine is lc_engine     # an empty dict says nothing
+    counted = ChatKVBoost(engine=lc_engine, timeout=5).get_num_tokens_from_messages([HumanMessage("Hi")])
+    assert counted == ChatKVBoost(engine=lc_engine).get_num_tokens_from_messages([HumanMessage("Hi")]) > 1
 
 
 def test_timeout_covers_the_wait_before_the_first_token(lc_engine):

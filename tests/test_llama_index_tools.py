@@ -175,6 +175,8 @@ def test_streamed_structured_output_builds_the_object_structured_predict_gives(t
     streamed = list(llm.stream_structured_predict(Person, prompt, text="John is 30."))
     assert len(streamed) > 2 and streamed[-1] == whole and isinstance(streamed[-1], Person)
     assert any(getattr(partial, "age", None) is None for partial in streamed[:-1])     # partial objects first
+    known = [sum(value is not None for value in partial.model_dump().values()) for partial in streamed]
+    assert known == sorted(known)                 # never a blank object between two readable ones
 
     async def collect():
         return [item async for item in await llm.astream_structured_predict(Person, prompt, text="John is 30.")]
@@ -193,3 +195,18 @@ def test_a_reply_with_calls_lists_them_where_llama_index_core_looks(llm):
     assert call["id"] == block.tool_call_id and call["function"]["name"] == "get_temperature"
     assert json.loads(call["function"]["arguments"]) == block.tool_kwargs
     assert to_engine_messages([response.message], native_tools=True)[0]["tool_calls"].__len__() == 1   # once
+
+
+def test_keeping_the_first_call_trims_both_lists():
+    from llama_index.core.base.llms.types import ChatResponse
+
+    from kvboost_integrations.llama_index.tools import keep_first_call
+
+    blocks = [ToolCallBlock(tool_call_id=f"c{i}", tool_name="get_temperature", tool_kwargs={"city": "Paris"})
+              for i in range(2)]
+    listed = [{"id": f"c{i}", "type": "function", "function": {"name": "get_temperature", "arguments": "{}"}}
+              for i in range(2)]
+    response = keep_first_call(ChatResponse(message=ChatMessage(role="assistant", blocks=blocks,
+                                                                additional_kwargs={"tool_calls": listed})))
+    assert [b.tool_call_id for b in response.message.blocks if isinstance(b, ToolCallBlock)] == ["c0"]
+    assert [c["id"] for c in response.message.additional_kwargs["tool_calls"]] == ["c0"]

@@ -44,7 +44,7 @@ def _close(node, keep_open: set[str], path: str = "#") -> None:
         node["additionalProperties"] = False
     for key in _SCHEMA_LISTS:
         subs = node.get(key)
-        if subs is not None and not isinstance(subs, list):
+        if subs is not None and not isinstance(subs, (list, tuple)):
             raise InputError(f"JSON schema {path}/{key} must be a list of schemas, got {type(subs).__name__}")
         for index, sub in enumerate(subs or ()):
             _close(sub, keep_open, f"{path}/{key}/{index}")

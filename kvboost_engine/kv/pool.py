@@ -16,6 +16,7 @@ OS instead of held in anonymous memory.
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import threading
@@ -90,8 +91,15 @@ class BlockPool:
         mapped file that the disk cannot hold kills the process on its first write (SIGBUS), so a
         disk without the room refuses the request here instead (nothing allocated)."""
         size = self.spill.numel() * self.spill.element_size()
+        reserve = getattr(os, "posix_fallocate", None)
+        if reserve is None:             # (macOS) no way to reserve: the file stays sparse
+            self._spill_reserved = True
+            return
         try:
-            os.posix_fallocate(self._spill_fd, 0, size)
+            disk = os.fstatvfs(self._spill_fd)
+            if disk.f_bavail * disk.f_frsize < size:    # before glibc's fallback could fill the disk with zeros
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            reserve(self._spill_fd, 0, size)
         except OSError as err:
             raise BudgetError(f"the KV spill file cannot get its {size} bytes of disk ({err.strerror or err}); "
                               "this request needs more KV than the RAM pool holds") from err

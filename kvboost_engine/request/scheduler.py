@@ -150,6 +150,9 @@ class Scheduler:
             self._abandon(err)
 
     def _run(self) -> None:
+        with self._cond:
+            if self._thread is not threading.current_thread():
+                return          # started, then not recorded (start() interrupted): the recorded loop runs
         while True:
             with self._cond:
                 if self._closed:

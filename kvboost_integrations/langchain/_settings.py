@@ -112,7 +112,7 @@ class KVBoostSettings(BaseModel):
             if local:
                 raise ValueError(f"{', '.join(local)} configure an embedded engine; they cannot be used with endpoint=")
         elif self.engine is not None:
-            ignored = [name for name in (*_LOCAL_OPTIONS[1:], "engine_kwargs") if getattr(self, name) is not None]
+            ignored = [name for name in (*_LOCAL_OPTIONS[1:], "engine_kwargs") if getattr(self, name) not in (None, {})]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)} configure the engine this class would load; with engine= "
                                  "they are that engine's own (set them where it is built)")
@@ -132,6 +132,9 @@ class KVBoostSettings(BaseModel):
             fingerprint = getattr(self.engine, "fingerprint", None)
             identity["engine"] = (fingerprint.hex() if isinstance(fingerprint, bytes)
                                   else repr(sorted(getattr(self.engine, "replicas", {}))))
+            config = getattr(self.engine, "config", None)      # its options: moved_reuse, recompute_ratio...
+            if config is not None:
+                identity["engine_config"] = repr(config)
         return identity
 
     def get_engine(self) -> Engine | RemoteEngine:

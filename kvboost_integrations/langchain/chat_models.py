@@ -169,8 +169,6 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         engine = self.get_engine()
         if is_remote(engine):
             return engine.count_tokens(to_engine_messages(messages, native_tools=True), tools=formatted or None)
-        if self.timeout is not None:        # the engine's own bound also covers queueing and prefill
-            params = {**params, "timeout_s": self.timeout}
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         chat, template_kwargs = with_tools(chat, formatted, fmt) if formatted else (chat, {})

@@ -97,7 +97,7 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
         local = [name for name in _LOCAL_OPTIONS if data.get(name) is not None] + (["engine"] if engine else [])
         if data.get("endpoint") is not None and local:
             raise InputError(f"{', '.join(local)} configure an embedded engine; they cannot be used with endpoint=")
-        ignored = [name for name in (*_LOCAL_OPTIONS, "engine_kwargs") if data.get(name) is not None]
+        ignored = [name for name in (*_LOCAL_OPTIONS, "engine_kwargs") if data.get(name) not in (None, {})]
         if engine is not None and ignored:
             raise InputError(f"{', '.join(ignored)} configure the engine this class would load; with engine= they "
                              "are that engine's own (set them where it is built)")
@@ -311,10 +311,11 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
                                      **(llm_kwargs or {}))
 
         def objects():
-            previous = None
+            previous, partial = None, None
             for response in responses:
                 if previous is not None:
-                    yield process_streaming_objects(previous, output_cls, flexible_mode=True)
+                    partial = _partial(previous, output_cls, partial)
+                    yield partial
                 previous = response
             if previous is not None:
                 yield parse_structured(output_cls, previous)
@@ -328,14 +329,22 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
                                             **(llm_kwargs or {}))
 
         async def objects():
-            previous = None
+            previous, partial = None, None
             async for response in responses:
                 if previous is not None:
-                    yield process_streaming_objects(previous, output_cls, flexible_mode=True)
+                    partial = _partial(previous, output_cls, partial)
+                    yield partial
                 previous = response
             if previous is not None:
                 yield parse_structured(output_cls, previous)
         return objects()
+
+
+def _partial(response: ChatResponse, output_cls: Type[BaseModel], last):
+    """The object the JSON so far gives (LlamaIndex's flexible model), or the last one where it cannot
+    be read yet (mid-key, mid-number): never a blank object in between."""
+    return process_streaming_objects(response, output_cls, cur_objects=None if last is None else [last],
+                                     flexible_mode=True)
 
 
 def _set_order(settings) -> str | None:

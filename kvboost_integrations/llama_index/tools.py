@@ -47,6 +47,9 @@ def keep_first_call(response: ChatResponse) -> ChatResponse:
     calls = [block for block in response.message.blocks if isinstance(block, ToolCallBlock)]
     for extra in calls[1:]:
         response.message.blocks.remove(extra)
+    listed = response.message.additional_kwargs.get("tool_calls")
+    if isinstance(listed, list) and len(listed) > 1:        # the same calls, as LlamaIndex core reads them
+        response.message.additional_kwargs["tool_calls"] = listed[:1]
     return response
 
 
