@@ -42,6 +42,10 @@ def test_a_scheduler_thread_that_cannot_start_fails_only_that_call(smol, monkeyp
     assert not engine._scheduler._waiting and not engine._scheduler._tasks
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert engine.chat(ASK, max_new_tokens=2, timeout_s=30).completion_tokens == 2    # the next call starts it
+    stray = threading.Thread(target=engine._scheduler._loop)    # started but never recorded (an interrupted
+    stray.start()                                                # start()): it ends at once, not a second loop
+    stray.join(5)
+    assert not stray.is_alive()
     engine.close()                                           # and close() joins a thread that ran
 
 
