@@ -29,7 +29,7 @@ from .request.prefill import PrefillParts, prefill
 from .request.scheduler import Scheduler
 from .request.prompt import ChatRenderer, segments_from_prompt
 from .request.runner import ModelRunner
-from .request.sampling import SAMPLING_NAMES, SamplingParams
+from .request.sampling import SamplingParams, check_names
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
                      kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype, weight_stats)
@@ -152,12 +152,7 @@ class Engine:
     def _start(self, prompt: TokenizedPrompt, params: dict) -> GenerationStream:
         constraint = params.pop("constraint", None)
         timeout_s = check_timeout(params.pop("timeout_s", None))
-        unknown = sorted(set(params) - SAMPLING_NAMES)
-        if unknown:
-            hint = " (max_new_tokens is this engine's name for max_tokens)" if "max_tokens" in unknown else ""
-            raise InputError(f"unknown request parameters {unknown}{hint}; accepted: constraint, timeout_s, "
-                             f"{', '.join(sorted(SAMPLING_NAMES))}")
-        sampling = SamplingParams.build(**params)
+        sampling = SamplingParams.build(**check_names(params))
         check_window(self._parts, len(prompt), sampling.max_new_tokens)
         sampling.check_vocabulary(self._grammars.vocab_size)
         if constraint is not None:

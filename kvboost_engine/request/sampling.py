@@ -222,4 +222,14 @@ def argmax(logits: torch.Tensor) -> int:
 
 
 SAMPLING_NAMES = frozenset(inspect.signature(SamplingParams.build).parameters) - {"cls"}
-"""What a request may set besides its constraint and timeout_s (SamplingParams.build's arguments)."""
+
+
+def check_names(params: dict) -> dict:
+    """`params` as they are if SamplingParams.build takes every name (what a request sets besides its
+    constraint and timeout_s); else an InputError naming the unknown ones and the accepted ones."""
+    unknown = sorted(set(params) - SAMPLING_NAMES)
+    if unknown:
+        hint = " (max_new_tokens is this engine's name for max_tokens)" if "max_tokens" in unknown else ""
+        raise InputError(f"unknown request parameters {unknown}{hint}; accepted: constraint, timeout_s, "
+                         f"{', '.join(sorted(SAMPLING_NAMES))}")
+    return params

@@ -19,11 +19,9 @@ on a dead thread.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future
 
@@ -34,26 +32,12 @@ from .admission import check_fits_alone, continues_a_prefill
 from .decode import Decoding, EngineParts, Request, messages_after
 from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
     refuse as _refuse, run_task as _run_task
+from .exit import live_schedulers, scheduler_threads
 from .openmp import release_thread_pool
 from .plan import Prefilling, plan_step
 from .prefill import Assembled, assemble, prefilled, repair
 
 log = logging.getLogger(__name__)
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-_THREADS: weakref.WeakSet = weakref.WeakSet()      # scheduler threads not yet ended
-
-
-@atexit.register
-def _close_all() -> None:
-    """At interpreter exit, stop every scheduler between two steps (not inside a forward), then wait for
-    its threads to end: an idle one may still be freeing the engine it held last, and a tensor freed by
-    a daemon thread after finalization aborts the process ("terminate called without an active exception")."""
-    for scheduler in list(_LIVE):
-        scheduler.close()
-    for thread in [t for t in _THREADS if t is not threading.current_thread()]:
-        thread.join(timeout=60)
-
 
 class Scheduler:
     def __init__(self, parts: EngineParts, *, max_running: int, max_batch_tokens: int, max_waiting: int,
@@ -71,7 +55,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        _LIVE.add(self)
+        live_schedulers.add(self)
 
     # ---- callers ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -84,13 +68,7 @@ class Scheduler:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting for a running slot or KV "
                                   f"room (max_waiting={self.max_waiting}, max_running={self.max_running}); "
                                   "try again later")
-            self._waiting.append(request)
-            try:
-                self._start_thread()
-            except BaseException:
-                self._waiting.remove(request)       # not queued: the caller gets the error, nothing waits
-                raise
-            self._cond.notify()
+            self._enqueue(self._waiting, request)
         if threading.current_thread() is not self._thread:
             release_thread_pool()           # the caller now waits: its idle OpenMP workers would slow ours
 
@@ -101,13 +79,7 @@ class Scheduler:
         future: Future = Future()
         with self._cond:
             self._check_open()
-            self._tasks.append((fn, future))
-            try:
-                self._start_thread()
-            except BaseException:
-                self._tasks.remove((fn, future))
-                raise
-            self._cond.notify()
+            self._enqueue(self._tasks, (fn, future))
         return future.result()
 
     def close(self) -> None:
@@ -130,15 +102,21 @@ class Scheduler:
         if self._closed:
             raise KVBoostError("this engine is closed")
 
-    def _start_thread(self) -> None:
-        """Start the loop's thread if none runs (under self._cond). A thread that cannot start (a
-        process's thread limit, interpreter shutdown) raises here and leaves no thread recorded, so the
-        next call tries again instead of waiting on a loop that never ran."""
+    def _enqueue(self, queue: deque, item) -> None:
+        """Queue `item` and wake the loop, starting its thread if none runs (under self._cond). A thread
+        that cannot start (a process's thread limit, interpreter shutdown) raises here with the item taken
+        back and no thread recorded: the next call tries again, nothing waits on a loop that never ran."""
+        queue.append(item)
         if self._thread is None:
             thread = threading.Thread(target=self._loop, name="kvboost-scheduler", daemon=True)
-            thread.start()
+            try:
+                thread.start()
+            except BaseException:
+                queue.remove(item)
+                raise
             self._thread = thread
-            _THREADS.add(thread)
+            scheduler_threads.add(thread)
+        self._cond.notify()
 
     # ---- the loop -----------------------------------------------------------------------
     def _loop(self) -> None:

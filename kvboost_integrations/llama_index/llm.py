@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Dict, List, Optional, Type, Union
+from typing import Any, Dict, List, Optional, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -15,17 +15,12 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from llama_index.core.program.utils import process_streaming_objects
-from llama_index.core.prompts import BasePromptTemplate
 
 from kvboost_engine import Engine, InputError
-from kvboost_engine.constrained import JsonSchema
 
 from .._bridge import resolve_engine
 from .._options import check_arguments, engine_options
@@ -34,15 +29,14 @@ from .sampling import SamplingSettings
 from ..remote import RemoteEngine, connect
 from .calls import EngineCall, ResponseShaper, alast, last
 from .messages import ModelTokenizer, check_messages, to_engine_messages
-from .tools import (chat_messages, keep_first_call, parse_structured, tool_choice_for, tool_selections,
-                    tool_specs)
+from .structured import StructuredOutput
+from .tools import chat_messages, keep_first_call, tool_choice_for, tool_selections, tool_specs
 
-dispatcher = get_dispatcher(__name__)
 _LOCAL_OPTIONS = ("model", "device", "dtype", "cache_bytes", "chunk_tokens", "moved_reuse")
 DOCUMENT_ORDERS = ("relevance", "cache")
 
 
-class KVBoost(SamplingSettings, FunctionCallingLLM):
+class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
     """A chat LLM for LlamaIndex that encodes repeated prompt text once; a function-calling LLM.
 
     System prompts, chat history and retrieved nodes are cached as KV chunks in an embedded
@@ -273,78 +267,6 @@ class KVBoost(SamplingSettings, FunctionCallingLLM):
         if not calls and error_on_no_tool_call:
             raise ValueError(f"expected at least one tool call, got none: {response.message.content!r:.200}")
         return calls
-
-    @dispatcher.span
-    def structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
-                           llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any) -> BaseModel:
-        """An `output_cls` object, generated under its JSON schema by constrained decoding (one
-        request; no tool-call round trip, no retries). ValueError if max_new_tokens cuts it short."""
-        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
-                                                        template_args=prompt_args))
-        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
-        response = self.chat(messages, constraint=JsonSchema(output_cls.model_json_schema()), **(llm_kwargs or {}))
-        result = parse_structured(output_cls, response)
-        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
-        return result
-
-    @dispatcher.span
-    async def astructured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
-                                  llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any) -> BaseModel:
-        """`structured_predict`, decoded off the event loop."""
-        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
-                                                        template_args=prompt_args))
-        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
-        response = await self.achat(messages, constraint=JsonSchema(output_cls.model_json_schema()),
-                                    **(llm_kwargs or {}))
-        result = parse_structured(output_cls, response)
-        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
-        return result
-
-    def _structured_stream_call(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
-                                llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any):
-        """What `stream_structured_predict` (and `as_structured_llm(...).stream_chat`) yields: partial
-        objects (LlamaIndex's flexible model: every field optional) as the JSON is generated under
-        `output_cls`'s schema, as `structured_predict` generates it, then the whole `output_cls` object
-        (ValueError if max_new_tokens cuts it short)."""
-        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
-        responses = self.stream_chat(messages, constraint=JsonSchema(output_cls.model_json_schema()),
-                                     **(llm_kwargs or {}))
-
-        def objects():
-            previous, partial = None, None
-            for response in responses:
-                if previous is not None:
-                    partial = _partial(previous, output_cls, partial)
-                    yield partial
-                previous = response
-            if previous is not None:
-                yield parse_structured(output_cls, previous)
-        return objects()
-
-    async def _structured_astream_call(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
-                                       llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any):
-        """`_structured_stream_call` decoded off the event loop."""
-        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
-        responses = await self.astream_chat(messages, constraint=JsonSchema(output_cls.model_json_schema()),
-                                            **(llm_kwargs or {}))
-
-        async def objects():
-            previous, partial = None, None
-            async for response in responses:
-                if previous is not None:
-                    partial = _partial(previous, output_cls, partial)
-                    yield partial
-                previous = response
-            if previous is not None:
-                yield parse_structured(output_cls, previous)
-        return objects()
-
-
-def _partial(response: ChatResponse, output_cls: Type[BaseModel], last):
-    """The object the JSON so far gives (LlamaIndex's flexible model), or the last one where it cannot
-    be read yet (mid-key, mid-number): never a blank object in between."""
-    return process_streaming_objects(response, output_cls, cur_objects=None if last is None else [last],
-                                     flexible_mode=True)
 
 
 def _set_order(settings) -> str | None:
