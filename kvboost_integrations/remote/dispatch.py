@@ -4,7 +4,8 @@
 generator: text deltas, then the RemoteGeneration) share everything but the awaits. The rules:
 
 - a reply is complete only when a chunk carries its finish_reason; a stream that ends without
-  one is a failure, never a shorter answer;
+  one is a failure, never a shorter answer; one that breaks after it is complete (its usage lost);
+- a stream the engine's close() cut is EngineClosedError, the replica not marked down;
 - until the first text delta has been handed to the caller, a replica failure (unreachable,
   timed out, 5xx/429, a dropped stream, a malformed chunk, a body that is not JSON; its
   /metrics call included) marks the replica down and the next candidate is tried; if none
