@@ -41,3 +41,17 @@ def test_sliding_window_matches_transformers(smol):
     engine = Engine(model, tokenizer, cache_bytes=64 * 2**20)
     assert engine.generate(prompt, max_new_tokens=10, min_new_tokens=10).token_ids == reference
     assert engine.generate(prompt + " More.", max_new_tokens=10, min_new_tokens=10).reused_tokens > 0
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "phi3"])
+def test_a_mistral_or_phi3_config_with_layer_types_slides_every_layer_as_transformers(model_type, smol):
+    """HF's Mistral and Phi-3 masks use config.sliding_window in every layer whatever `layer_types` says
+    (transformers warns about it); ours followed layer_types (0.05-0.08 off in the logits)."""
+    model = tiny_model(model_type, sliding_window=16, layer_types=["full_attention", "sliding_attention"])
+    engine = Engine(model, smol[1], cache_bytes=0)
+    assert engine.adapter.layer_windows == (16, 16)
+    prompt = "Sliding windows only look back a little way in the text. " * 4
+    ids = engine.encode_prompt(prompt).token_ids
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    assert float((engine.next_token_logits(prompt) - reference).abs().max()) < 1e-4

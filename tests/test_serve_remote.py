@@ -77,6 +77,12 @@ def test_tokenize_in_vllm_shape(served):
     assert httpx.post(root + "/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
     bad = httpx.post(root + "/tokenize", json={"prompt": "x", "messages": []}, headers=headers, timeout=30)
     assert bad.status_code == 400
+    plain = httpx.post(root + "/tokenize", json={"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}},
+                       headers=headers, timeout=30).json()                # as the chat route reads it (was a 500)
+    assert plain["count"] == len(engine.encode_messages(messages, add_generation_prompt=False))
+    both = httpx.post(root + "/tokenize", json={"messages": messages, "continue_final_message": True},
+                      headers=headers, timeout=30)                        # with the generation prompt: a 400
+    assert both.status_code == 400 and "not compatible" in both.json()["error"]["message"]
 
 
 def test_llama_index_kvboost_sends_document_parts(served):

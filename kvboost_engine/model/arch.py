@@ -175,11 +175,11 @@ class ModelAdapter:
     def _window(self, layer_idx: int) -> int | None:
         """Sliding-window size of one layer (None = full attention), as HF's modules define it."""
         window = getattr(self.config, "sliding_window", None)
+        if self.config.model_type in ("mistral", "phi3"):
+            return window               # every layer, whatever layer_types says (HF's Mistral / Phi-3 masks)
         layer_types = getattr(self.config, "layer_types", None)
         if layer_types:
             return window if layer_types[layer_idx] == "sliding_attention" else None
-        if self.config.model_type in ("mistral", "phi3"):
-            return window
         return None
 
     def rope_settings(self) -> dict:

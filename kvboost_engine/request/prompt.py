@@ -162,7 +162,7 @@ class ChatRenderer:
             rendered = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
-        except (TemplateError, TypeError) as err:
+        except (TemplateError, TypeError, ValueError) as err:    # ValueError: transformers' own checks
             raise InputError(f"the chat template cannot render these messages: {type(err).__name__}: {err}") from err
         if not isinstance(rendered, str):
             raise InputError(f"the chat template rendered {type(rendered).__name__}, not text (check template_kwargs)")

@@ -50,12 +50,13 @@ def _chat_ids(engine: Engine, body: dict) -> list[int]:
         raise BadRequest("messages must be a non-empty list of message objects", "messages")
     for i, message in enumerate(messages):
         check_message(message, f"messages[{i}]")
-    generation_prompt = body.get("add_generation_prompt", True)
-    if not isinstance(generation_prompt, bool):
-        raise BadRequest("add_generation_prompt must be a boolean", "add_generation_prompt")
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
+    template_kwargs = dict(template_kwargs)     # its add_generation_prompt, as the chat route reads it
+    generation_prompt = template_kwargs.pop("add_generation_prompt", body.get("add_generation_prompt", True))
+    if not isinstance(generation_prompt, bool):
+        raise BadRequest("add_generation_prompt must be a boolean", "add_generation_prompt")
     if body.get("continue_final_message"):
         template_kwargs = {**template_kwargs, "continue_final_message": True}
     call = Call("chat", None, messages, template_kwargs=template_kwargs)
