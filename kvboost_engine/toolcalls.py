@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from .constrained import TaggedJson
+from .errors import InputError
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 _DECODER = json.JSONDecoder()
@@ -79,8 +80,10 @@ class ToolFormat:
             calls = _json_calls(body[len(self.marker):])
         else:
             calls = _json_calls(body.removeprefix(PYTHON_TAG) if body.startswith(PYTHON_TAG) else body)
-            if not calls or calls[0]["name"] is None:       # not a call after all: an answer in JSON
-                return text, []
+            if not calls or calls[0]["name"] is None or not (calls[0].get("keyed") or body.startswith(PYTHON_TAG)):
+                return text, []         # not a call after all: an answer in JSON ({"name": "Alice", "age": 30})
+        for call in calls:
+            call.pop("keyed", None)
         return content, calls
 
 
@@ -128,7 +131,11 @@ def normalize_tool_choice(tool_choice, names: list[str]) -> str:
 
 
 def forced_tools(tools: list[dict], choice: str) -> dict[str, dict]:
-    """Name -> parameters schema of the OpenAI tool dicts a forced `choice` ("any" or a name) allows."""
+    """Name -> parameters schema of the OpenAI tool dicts a forced `choice` ("any" or a name) allows
+    (InputError for two tools of one name: a call could not say which it means)."""
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) < len(names):
+        raise InputError(f"two tools are named {next(n for n in names if names.count(n) > 1)!r}: a call names its tool")
     return {t["function"]["name"]: t["function"].get("parameters") for t in tools
             if choice == "any" or t["function"]["name"] == choice}
 
@@ -175,19 +182,22 @@ def new_call_id() -> str:
 
 def _call(body: str) -> dict:
     try:
-        data = json.loads(body)
+        data, _ = _DECODER.raw_decode(body.strip())     # a whole call, whatever junk a small model left after it
     except json.JSONDecodeError:
         name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
-        return {"name": name.group(1) if name else None, "args": body, "id": new_call_id()}
+        return {"name": name.group(1) if name else None, "args": body, "id": new_call_id(),
+                "keyed": re.search(r'"(arguments|parameters)"\s*:', body) is not None}
     return _from_json(data) or {"name": None, "args": body, "id": new_call_id()}
 
 
 def _from_json(data) -> dict | None:
+    """A call from a decoded JSON object with a `name`; `keyed`: it also has `arguments` or `parameters`
+    (llama3_json tells a call from an answer in JSON by it)."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     args = data.get("arguments", data.get("parameters", {}))
     return {"name": data["name"], "args": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-            "id": new_call_id()}
+            "id": new_call_id(), "keyed": "arguments" in data or "parameters" in data}
 
 
 def _json_calls(text: str) -> list[dict]:

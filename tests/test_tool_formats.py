@@ -60,7 +60,10 @@ def test_plain_answers_are_not_taken_for_calls():
     assert llama.parse("It is 3.") == ("It is 3.", [])
     cut = llama.parse('{"name": "add", "parameters": {"a": 12')[1]          # max_tokens cut a call short
     assert cut[0]["name"] == "add" and cut[0]["args"].startswith('{"name"')
+    assert llama.parse('{"name": "Alice", "age": 30}') == ('{"name": "Alice", "age": 30}', [])    # an answer
     assert HERMES.parse("No tools needed.") == ("No tools needed.", [])
+    stray = HERMES.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}}\n</tool_call>')[1]
+    assert [(c["name"], json.loads(c["args"])) for c in stray] == [("add", {"a": 1, "b": 2})]   # junk after it
     calls = tool_format(family_tokenizer("mistral")).parse('[TOOL_CALLS] [{"name": "a", "arguments": {}}, '
                                                            '{"name": "b", "arguments": {"x": 1}}]')[1]
     assert [c["name"] for c in calls] == ["a", "b"]
@@ -98,3 +101,11 @@ def test_tool_histories_render_natively(family_chat):
                ToolMessage("3", tool_call_id="call_123456789abcdef")]
     reply = ChatKVBoost(engine=engine, max_tokens=2).bind_tools([add]).invoke(history)
     assert reply.response_metadata["prompt_tokens"] > 0     # Mistral's template accepted the ids
+
+
+def test_two_tools_of_one_name_are_refused_for_a_forced_call():
+    from kvboost_engine import InputError
+    from kvboost_engine.toolcalls import forced_tools
+
+    with pytest.raises(InputError, match="two tools are named 'add'"):
+        forced_tools([ADD, BOUNDED_ADD], "any")

@@ -66,6 +66,8 @@ def _check_tools(tools) -> list[dict]:
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
                              f"tools[{i}].function.parameters")
+        if any(other["function"]["name"] == function["name"] for other in tools[:i]):
+            raise BadRequest(f"tools[{i}] repeats the name {function['name']!r} (a call names its tool)", f"tools[{i}]")
     return tools
 
 
