@@ -209,3 +209,83 @@ def test_default_load_as_stored_only_where_the_native_step_runs_it(tmp_path, mon
     from kvboost_engine.weights.gguf_header import read_architecture
     assert read_architecture(llama.read_bytes()[:1 << 16]) == "llama"
     assert read_architecture(b"GGUF") is None and read_architecture(b"not a gguf") is None
+
+
+def test_a_vocabulary_the_packed_layout_cannot_hold_loads_as_float32(tmp_path, monkeypatch):
+    """A GGUF whose embedding has 274 rows (32,002 in the ChatML Mistral fine-tunes; not a multiple of 16)
+    loads by default as float32, the one way it can (as stored it failed on its first matrix)."""
+    import gguf_models
+    from kvboost_engine.errors import UnsupportedModelError
+    monkeypatch.setattr(gguf_models, "VOCAB", 274)
+    path = tmp_path / "vocab274.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    assert not gguf_model.stored_by_default(path)
+    engine = Engine.from_pretrained(path)
+    try:
+        assert engine.generate("Hello there", max_new_tokens=3, min_new_tokens=3).completion_tokens == 3
+    finally:
+        engine.close()
+    with pytest.raises(UnsupportedModelError, match="weights='fp32' loads the file"):
+        Engine.from_pretrained(path, weights="gguf")
+
+
+def test_a_damaged_pack_index_is_removed_and_the_next_load_repacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    pack = packed_gguf_dir(path)
+    load_model_and_tokenizer(pack, device=CPU, dtype=F32)
+    index = pack / "weights.json"
+    index.write_text(index.read_text()[:100])               # cut: not JSON any more (was a JSONDecodeError, every load)
+    with pytest.raises(InputError, match="is removed: loading the .gguf again repacks it"):
+        load_model_and_tokenizer(pack, device=CPU, dtype=F32)
+    assert not pack.exists()
+    model, _ = load_model_and_tokenizer(packed_gguf_dir(path), device=CPU, dtype=F32)
+    assert model is not None
+
+
+def _patched(path, tmp_path, key: str, value: int):
+    """A copy of a GGUF with one uint32 metadata value changed (key, then its type id, then the value)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(key.encode()) + len(key) + 4
+    data[at:at + 4] = value.to_bytes(4, "little")
+    out = tmp_path / f"{key}-{value}.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_refused_at_load(tmp_path, monkeypatch):
+    """(It loaded, and every request then failed in a matrix product; a block_count below the file's
+    layers loaded a truncated model that answered garbage.)"""
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    with pytest.raises(InputError, match=r"tensor blk.0.attn_k.weight is \[128, 256\], but the model its metadata"):
+        Engine.from_pretrained(_patched(path, tmp_path, "llama.attention.head_count_kv", 4))
+    with pytest.raises(InputError, match="tensors of layers past its llama.block_count of 1"):
+        Engine.from_pretrained(_patched(path, tmp_path, "llama.block_count", 1))
+
+
+def test_hostile_headers_are_input_errors():
+    """A key given twice, arrays nested without end (a RecursionError before), an alignment that is not
+    an integer (a ValueError, or a float silently truncated)."""
+    import struct
+
+    from kvboost_engine.weights.gguf_header import read_header
+
+    def header(*fields: bytes) -> bytes:
+        return b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + b"".join(fields)
+
+    def key(name: str) -> bytes:
+        return struct.pack("<Q", len(name)) + name.encode()
+
+    u32 = lambda name, v: key(name) + struct.pack("<II", 4, v)                  # noqa: E731
+    with pytest.raises(InputError, match="metadata key 'a' twice"):
+        read_header(header(u32("a", 1), u32("a", 2)))
+    nested = key("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)
+    with pytest.raises(InputError, match="nests arrays more than"):
+        read_header(header(nested))
+    text = key("general.alignment") + struct.pack("<I", 8) + struct.pack("<Q", 2) + b"32"
+    with pytest.raises(InputError, match="general.alignment must be an integer"):
+        read_header(header(text))
+    assert read_header(header(u32("general.alignment", 64))).alignment == 64

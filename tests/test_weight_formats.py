@@ -206,3 +206,25 @@ def test_a_load_that_cannot_fit_is_refused_up_front_with_the_figures(tiny_dir, m
         load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32)
     with pytest.raises(BudgetError, match="weights='int4'"):
         load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int4")
+
+
+def test_a_checkpoint_whose_config_disagrees_is_refused_when_packed(tmp_path, monkeypatch):
+    """weights="int4" packs the safetensors itself: a config.json whose head counts disagree with the
+    tensors is an InputError naming the tensor (it loaded, and every request then failed)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from kvboost_engine import Engine, InputError
+    from kvboost_engine.loading import default_model_dir
+    from tiny_models import tiny_model
+
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    source = tmp_path / "tiny"
+    tiny_model("llama", seed=5).save_pretrained(source)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    config["num_key_value_heads"] = config["num_attention_heads"]           # the tensors hold fewer
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"tensor model.layers.0.self_attn.k_proj.weight is \[.*\], but the model"):
+        Engine.from_pretrained(source, weights="int4", device="cpu")

@@ -16,6 +16,7 @@ from ..errors import InputError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_ARRAY_DEPTH = 8        # arrays of arrays (llama.cpp writes none nested; a few levels allowed)
 MAX_DIMS = 4                    # GGML_MAX_DIMS
 STRING, ARRAY = 8, 9
 # GGUF metadata value type -> struct format character (little-endian, standard sizes; numpy reads the same)
@@ -65,18 +66,20 @@ class _Cursor:
         start = self.need(length, what)
         return bytes(self.buf[start:start + length]).decode("utf-8", "replace")
 
-    def value(self, type_id: int, what: str):
+    def value(self, type_id: int, what: str, depth: int = 0):
         if type_id == STRING:
             return self.string(what)
         if type_id in SCALARS:
             return self.unpack("<" + SCALARS[type_id], what)
         if type_id == ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:         # llama.cpp's files nest none; a hostile one could recurse away
+                raise InputError(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep (corrupt header)")
             item_type, count = self.unpack("<I", what), self.unpack("<Q", what)
             if item_type in SCALARS:
                 dtype = np.dtype("<" + SCALARS[item_type])
                 start = self.need(count * dtype.itemsize, what)
                 return np.frombuffer(self.buf, dtype, count, start)
-            return [self.value(item_type, what) for _ in range(count)]
+            return [self.value(item_type, what, depth + 1) for _ in range(count)]
         raise InputError(f"{what} has unknown value type {type_id} (corrupt header)")
 
 
@@ -104,11 +107,16 @@ def read_header(buf) -> Header:
     fields = {}
     for index in range(kv_count):
         key = cursor.string(f"metadata key {index}")
+        if key in fields:
+            raise InputError(f"the file gives metadata key {key!r} twice (corrupt header)")
         fields[key] = cursor.value(cursor.unpack("<I", key), key)
     tensors = [_tensor_info(cursor, index) for index in range(tensor_count)]
     if len({t.name for t in tensors}) != len(tensors):
         raise InputError("the file names a tensor twice (corrupt header)")
-    alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, (int, np.integer)) or isinstance(alignment, bool):
+        raise InputError(f"general.alignment must be an integer, got {type(alignment).__name__} (corrupt header)")
+    alignment = int(alignment)
     if alignment <= 0 or alignment & (alignment - 1):
         raise InputError(f"general.alignment {alignment} is not a power of two")
     data_start = -(-cursor.pos // alignment) * alignment

@@ -34,12 +34,11 @@ from ..model.building import building_model
 from ..paths import build_lock, cache_home
 from .gguf_blocks import dequantize
 from .gguf_file import GGUFFile, check_gguf
-from .gguf_header import read_architecture
-from .gguf_repack import repack, unpermute_rows, zero_code
+from .gguf_repack import fits_packed, repack, unpermute_rows, zero_code
 from .gguf_rope import apply_gguf_rope
 from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
-from .packed import PackedEmbedding, PackedLinear
+from .packed import BLOCK, TILE, PackedEmbedding, PackedLinear
 
 PACK_VERSION = "gguf-pack-3"   # 3: K-quants keep two-level scales, Q6_K 6-bit (2: the config gets what transformers' reader drops)
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")     # GGUF general.architecture
@@ -57,17 +56,19 @@ def is_packed_dir(path: Path) -> bool:
 
 
 def stored_by_default(gguf_path: Path, native: bool = True) -> bool:
-    """Whether a .gguf given without `weights` loads as stored. Yes where the native step runs the
+    """Whether a .gguf given without `weights` loads as stored. Never where a matrix does not fit the packed
+    layout (a vocabulary of 32,002 rows, say): then as float32, the only way it loads. Yes where the native step runs the
     architecture (llama, mistral, qwen2, qwen3, gemma3: as stored is smaller and faster there) and,
     `native`, can run on this machine at all. Otherwise (any file on a CPU without the native step)
     as stored runs the PyTorch layer loop, which decodes every matrix on every forward (seconds a
     token), so it loads as float32, dequantized once, unless that copy would not fit the memory
     available: then as stored is the only way to run it. weights="gguf" / "fp32" choose."""
-    if native:
-        with open(gguf_path, "rb") as f:
-            if read_architecture(f.read(1 << 16)) in NATIVE_ARCHITECTURES:    # not the whole header (vocabulary)
-                return True
     file = GGUFFile(gguf_path)
+    misfit = next((t for t in file.tensors.values() if len(t.shape) == 2 and not fits_packed(t.shape)), None)
+    if misfit is not None:
+        log.info("%s: loading as float32: %s of shape %s does not fit the packed layout (rows a multiple of %d, "
+                 "columns of %d)", gguf_path.name, misfit.name, list(misfit.shape), TILE, BLOCK)
+        return False
     if native and file.architecture in NATIVE_ARCHITECTURES:
         return True
     float_bytes = 4 * sum(math.prod(t.shape) for t in file.tensors.values())
@@ -145,7 +146,13 @@ def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
     already opened, if it is."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    apply_gguf_rope(config, file or GGUFFile(gguf_path))
+    file = file or GGUFFile(gguf_path)
+    apply_gguf_rope(config, file)
+    table = file.tensors.get("token_embd.weight")
+    if table is not None and len(table.shape) == 2 and config.vocab_size != table.shape[0]:
+        log.warning("%s: vocab_size %s in its metadata, %s rows in its embedding table: the table's count is used",
+                    gguf_path.name, config.vocab_size, table.shape[0])
+        config.vocab_size = table.shape[0]      # the table is what the model computes with
     if config.model_type == "gemma3_text":
         config.query_pre_attn_scalar = gemma3_query_scalar(config)
     return config
@@ -210,6 +217,11 @@ def _row_order(arch: str, hf_name: str, config, rows: int) -> torch.Tensor | Non
 def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, config, writer: PackWriter) -> dict:
     """Repack every matrix, copy every norm and bias; returns the index's metadata."""
     names = _gguf_names(model, arch, layers)
+    beyond = sorted(k for k in file.tensors if k.startswith("blk.") and k.split(".")[1].isdigit()
+                    and int(k.split(".")[1]) >= layers)
+    if beyond:                          # a truncated model would load and answer garbage (llama.cpp refuses too)
+        raise InputError(f"{file.path} has tensors of layers past its {arch}.block_count of {layers} "
+                         f"({beyond[0]}...): its metadata and tensors disagree")
     matrices, floats, worst = {}, [], {}
     for hf_name, module in model.named_modules():
         if hf_name not in names:
@@ -222,6 +234,9 @@ def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, con
                     continue                                    # tied: the head reads the embedding's table
                 raise InputError(f"{file.path} lacks tensor {key} (for {hf_name}.{pname})")
             tensor = file.tensors[key]
+            if tuple(tensor.shape) != tuple(param.shape):       # metadata and tensors disagree (head counts...)
+                raise InputError(f"{file.path}: tensor {key} is {list(tensor.shape)}, but the model its metadata "
+                                 f"describes needs {list(param.shape)} for {hf_name}.{pname}")
             if param.dim() == 2:
                 packed = repack(tensor, _row_order(arch, hf_name, config, tensor.shape[0]))
                 for part in ("codes", "d", "m", "d2", "m2"):
@@ -300,9 +315,14 @@ def load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict)
     try:
         model = load_packed_model(source, config)
     except InputError as err:                   # the cache file changed or is damaged: repack it once
-        gguf_path = json.loads((source / INDEX).read_text())["meta"].get("gguf")
+        try:
+            gguf_path = json.loads((source / INDEX).read_text())["meta"].get("gguf")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            gguf_path = None                    # the index itself is damaged: it names no file to repack
         if not gguf_path or not Path(gguf_path).is_file():
-            raise
+            shutil.rmtree(source, ignore_errors=True)
+            raise InputError(f"{err}; the repacked cache {source} could not be repaired here and is removed: "
+                             "loading the .gguf again repacks it") from err
         log.warning("%s; repacking %s", err, gguf_path)
         shutil.rmtree(source, ignore_errors=True)
         model = load_packed_model(packed_gguf_dir(Path(gguf_path)), config)

@@ -89,11 +89,17 @@ def _requantized(values: torch.Tensor) -> tuple:
     return codes.view(n, k), d, m, float(error)
 
 
+def fits_packed(shape) -> bool:
+    """Whether a matrix of `shape` [N, K] fits the packed layout: N a multiple of 16, K of 32."""
+    return len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % BLOCK == 0
+
+
 def repack(tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> Repacked:
     """A GGUF matrix [N, K] (N a multiple of 16, K of 32) in the packed layout (module docstring)."""
-    if len(tensor.shape) != 2 or tensor.shape[0] % TILE or tensor.shape[1] % BLOCK:
+    if not fits_packed(tensor.shape):
         raise UnsupportedModelError(f"tensor {tensor.name} of shape {list(tensor.shape)} does not fit the packed "
-                                    f"layout (a matrix with rows a multiple of {TILE}, columns of {BLOCK})")
+                                    f"layout (a matrix with rows a multiple of {TILE}, columns of {BLOCK}); "
+                                    "weights='fp32' loads the file as float32")
     n, k = tensor.shape
     kind = tensor.type_name
     error = 0.0

@@ -59,12 +59,15 @@ def _plan(model: nn.Module, stored: dict, fmt: str, config) -> dict[str, tuple] 
     tied = bool(getattr(config, "tie_word_embeddings", False)) and f"{HEAD}.weight" not in stored
     plan = {}
     for name, module in model.named_modules():
-        for pname, _ in module.named_parameters(recurse=False):
+        for pname, param in module.named_parameters(recurse=False):
             full = f"{name}.{pname}"
             if name == HEAD and tied:
                 continue
             if full not in stored:
                 return None
+            if stored[full].shape(full) != tuple(param.shape):    # config and checkpoint disagree
+                raise InputError(f"{stored[full].path}: tensor {full} is {list(stored[full].shape(full))}, but the "
+                                 f"model config.json describes needs {list(param.shape)}")
             if pname == "weight" and isinstance(module, (nn.Linear, nn.Embedding)):
                 if not _tiles(module):
                     return None

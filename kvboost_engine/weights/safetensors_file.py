@@ -40,6 +40,9 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self._header)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._header[name].get("shape") or ())
+
     def read(self, name: str) -> torch.Tensor:
         entry = self._header[name]
         begin, end = (self._start + offset for offset in entry["data_offsets"])
