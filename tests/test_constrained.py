@@ -177,3 +177,29 @@ def test_constrained_and_free_requests_batch_together_with_their_solo_results(gr
     assert [s.generation.token_ids for s in streams] == solo
     jsonschema.validate(json.loads(streams[0].generation.text), PET)
     assert streams[2].generation.text in ("left", "right")
+
+
+def test_an_object_whose_properties_meet_others_is_left_open(engine):
+    """`properties` beside `anyOf`, `allOf` or a `$ref` (a union's shared key, a base class plus fields):
+    closing either side made valid objects unsatisfiable or forbade the other side's keys."""
+    from kvboost_engine.constrained.schema import prepare_schema
+
+    cases = [({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+               "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                         {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]}, {"kind": "a", "x": 1}),
+             ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+               "allOf": [{"properties": {"b": {"type": "integer"}}}]}, {"a": "s", "b": 1}),
+             ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+               "$ref": "#/$defs/Base", "properties": {"extra": {"type": "string"}}, "required": ["extra"]},
+              {"id": 1, "extra": "e"})]
+    for schema, value in cases:
+        prepared = prepare_schema(schema)
+        assert "additionalProperties" not in prepared
+        assert all("additionalProperties" not in b for b in prepared.get("anyOf", ()))
+        constraint = engine.constraint(JsonSchema(schema))
+        for token in engine.tokenizer.encode(json.dumps(value), add_special_tokens=False):
+            assert constraint.mask(torch.zeros(engine._grammars.vocab_size))[token] != float("-inf"), (schema, value)
+            constraint.advance(token)
+        assert constraint.is_finished()
+    plain = prepare_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    assert plain["additionalProperties"] is False                  # a plain object is still closed

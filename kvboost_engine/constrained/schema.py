@@ -17,6 +17,7 @@ from ..errors import InputError
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")     # beside `properties`: keys from elsewhere join the object
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
 
@@ -36,18 +37,23 @@ def prepare_schema(schema) -> dict:
     return closed
 
 
-def _close(node, keep_open: set[str], path: str = "#") -> None:
-    """Close open objects in place, walking every subschema but the branches of `allOf`."""
+def _close(node, keep_open: set[str], path: str = "#", merged: bool = False) -> None:
+    """Close open objects in place, walking every subschema but the branches of `allOf`. An object
+    whose properties meet others at the same level (`allOf`, `anyOf`, `oneOf` or `$ref` beside its
+    `properties`) stays open, and so do its `anyOf` / `oneOf` branches (`merged`): each side's keys
+    are the other's additional properties, and closing either would forbid them."""
     if not isinstance(node, dict):
         return
-    if "properties" in node and not any(key in node for key in _OPEN_KEYS) and path not in keep_open:
+    combined = "properties" in node and any(key in node for key in _COMBINERS)
+    if ("properties" in node and not any(key in node for key in _OPEN_KEYS) and path not in keep_open
+            and not combined and not merged):
         node["additionalProperties"] = False
     for key in _SCHEMA_LISTS:
         subs = node.get(key)
         if subs is not None and not isinstance(subs, (list, tuple)):
             raise InputError(f"JSON schema {path}/{key} must be a list of schemas, got {type(subs).__name__}")
         for index, sub in enumerate(subs or ()):
-            _close(sub, keep_open, f"{path}/{key}/{index}")
+            _close(sub, keep_open, f"{path}/{key}/{index}", merged=combined and key != "prefixItems")
     for key in _SCHEMA_MAPS:
         subs = node.get(key)
         if subs is not None and not isinstance(subs, Mapping):
@@ -59,7 +65,8 @@ def _close(node, keep_open: set[str], path: str = "#") -> None:
 
 
 def _merged_refs(schema: dict) -> set[str]:
-    """Pointers of definitions that some `allOf` merges with other branches: they stay open."""
+    """Pointers of definitions that some `allOf` merges with other branches, or that an object merges
+    with its own properties (a `$ref`, or `anyOf` / `oneOf` branches, beside them): they stay open."""
     found: set[str] = set()
 
     def walk(node) -> None:
@@ -67,6 +74,13 @@ def _merged_refs(schema: dict) -> set[str]:
             branches = node.get("allOf")
             if isinstance(branches, list) and len(branches) > 1:
                 found.update(b["$ref"] for b in branches if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+            if "properties" in node:            # a $ref, or anyOf / oneOf branches that are $refs, beside them
+                if isinstance(node.get("$ref"), str):
+                    found.add(node["$ref"])
+                for key in ("anyOf", "oneOf"):
+                    for b in node.get(key) if isinstance(node.get(key), list) else ():
+                        if isinstance(b, dict) and isinstance(b.get("$ref"), str):
+                            found.add(b["$ref"])
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
