@@ -37,12 +37,22 @@ class ToolFormat:
     as_list: bool = False   # calls are a JSON list (Mistral)
 
     def forced_call(self, tools: dict[str, dict]) -> TaggedJson:
-        """The grammar of exactly one call to one of `tools` (name -> parameters schema)."""
-        bodies = [{"type": "object", "properties": {"name": {"const": name}, self.arguments_key: params or NO_ARGUMENTS},
-                   "required": ["name", self.arguments_key]} for name, params in tools.items()]
+        """The grammar of exactly one call to one of `tools` (name -> parameters schema). A parameters
+        schema with `$ref`s ("#/$defs/X", "#" itself) goes to the root's `$defs` as `tool_<i>`, its
+        refs rebased there: nested in the call's wrapper they would resolve against the wrapper."""
+        bodies, defs = [], {}
+        for index, (name, params) in enumerate(tools.items()):
+            arguments = params or NO_ARGUMENTS
+            if _local_refs(arguments):
+                defs[f"tool_{index}"] = _rebased(arguments, f"#/$defs/tool_{index}")
+                arguments = {"$ref": f"#/$defs/tool_{index}"}
+            bodies.append({"type": "object", "properties": {"name": {"const": name}, self.arguments_key: arguments},
+                           "required": ["name", self.arguments_key]})
         body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
         if self.as_list:
             body = {"type": "array", "items": body, "minItems": 1, "maxItems": 1}
+        if defs:
+            body = {**body, "$defs": {**body.get("$defs", {}), **defs}}
         return TaggedJson(self.prefix, body, self.suffix)
 
     def call_start(self, text: str) -> int | None:
@@ -85,6 +95,24 @@ class ToolFormat:
         for call in calls:
             call.pop("keyed", None)
         return content, calls
+
+
+def _local_refs(node) -> bool:
+    """Whether a schema holds a `$ref` into itself ("#...")."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_local_refs(v) for v in node.values())
+    return isinstance(node, list) and any(_local_refs(v) for v in node)
+
+
+def _rebased(node, base: str):
+    """A copy of a schema whose "#..." refs point under `base` (where the schema now sits)."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
 
 
 PYTHON_TAG = "<|python_tag|>"

@@ -203,3 +203,28 @@ def test_an_object_whose_properties_meet_others_is_left_open(engine):
         assert constraint.is_finished()
     plain = prepare_schema({"type": "object", "properties": {"a": {"type": "string"}}})
     assert plain["additionalProperties"] is False                  # a plain object is still closed
+
+
+def _accepts(engine, grammar, text: str) -> bool:
+    constraint = engine.constraint(grammar)
+    for token in engine.tokenizer.encode(text, add_special_tokens=False):
+        if constraint.mask(torch.zeros(engine._grammars.vocab_size))[token] == float("-inf"):
+            return False
+        constraint.advance(token)
+    return constraint.is_finished()
+
+
+def test_a_forced_call_enforces_tool_parameters_that_use_refs(engine):
+    """Pydantic's `#/$defs/X`, zod's `#/definitions/X` and a recursive `#`: nested in the call's wrapper
+    they resolved against the wrapper (an InputError, or the wrong schema enforced)."""
+    from kvboost_engine.toolcalls import HERMES
+
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}}}
+    located = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+               "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"]}
+    grammar = HERMES.forced_call({"tree": tree, "where": located})
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    assert _accepts(engine, grammar, call.format("tree", '{"child": {"child": {}}}'))
+    assert not _accepts(engine, grammar, call.format("tree", '{"child": {"name": "tree", "arguments": {}}}'))
+    assert _accepts(engine, grammar, call.format("where", '{"loc": {"city": "Paris"}}'))
+    assert not _accepts(engine, grammar, call.format("where", '{"loc": {"town": "Paris"}}'))
