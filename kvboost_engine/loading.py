@@ -39,6 +39,7 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
 # What a model needs from a hub repository (not .bin/.gguf/onnx copies of the same weights).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+HUB_SKIPPED = ["consolidated*"]     # Mistral's own-layout copy of the same weights (transformers reads the HF files)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
@@ -243,11 +244,12 @@ def hub_model_dir(model_id: str) -> Path:
     progress and errors); only the files a model needs (HUB_PATTERNS)."""
     from huggingface_hub import snapshot_download
     try:
-        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=HUB_PATTERNS,
+                                      ignore_patterns=HUB_SKIPPED))
     except Exception:  # noqa: BLE001 - not (completely) in the local cache: ask the hub below
         pass
     try:
-        return Path(snapshot_download(model_id, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(model_id, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_SKIPPED))
     except Exception as err:  # noqa: BLE001 - huggingface_hub's own errors say why; we add what to do
         raise ModelNotFoundError(
             f"could not load {model_id!r}: it is not a local path and huggingface_hub could not fetch it "

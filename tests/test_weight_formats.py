@@ -228,3 +228,23 @@ def test_a_checkpoint_whose_config_disagrees_is_refused_when_packed(tmp_path, mo
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match=r"tensor model.layers.0.self_attn.k_proj.weight is \[.*\], but the model"):
         Engine.from_pretrained(source, weights="int4", device="cpu")
+
+
+def test_the_memory_estimate_counts_the_files_transformers_loads(tmp_path):
+    """Mistral repositories ship consolidated.safetensors beside the HF files: the same weights again
+    (the estimate doubled, which could refuse a model that fits)."""
+    import json
+
+    from kvboost_engine.weights.memory import model_files
+
+    for name in ("model.safetensors", "consolidated.safetensors"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [f.name for f in model_files(tmp_path)] == ["model.safetensors"]
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "extra.safetensors"):
+        (sharded / name).write_bytes(b"x")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert [f.name for f in model_files(sharded)] == ["model-00001-of-00002.safetensors",
+                                                       "model-00002-of-00002.safetensors"]

@@ -92,5 +92,20 @@ def float_model_bytes(source, config, dtype) -> int:
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
-    files = sum(f.stat().st_size for f in Path(source).glob("*.safetensors"))
+    files = sum(f.stat().st_size for f in model_files(Path(source)))
     return files * torch.empty(0, dtype=dtype).element_size() // torch.empty(0, dtype=stored).element_size()
+
+
+def model_files(source) -> list:
+    """The safetensors files transformers loads from `source`: those its index's weight_map names, else
+    every one but Mistral's `consolidated*` (the same weights in Mistral's own layout, which repositories
+    ship beside the HF files)."""
+    import json
+    index = source / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+            return [source / name for name in sorted(names) if (source / name).is_file()]
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            pass                        # an unreadable index: transformers will say so when it loads
+    return [f for f in sorted(source.glob("*.safetensors")) if not f.name.startswith("consolidated")]
