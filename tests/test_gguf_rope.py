@@ -219,7 +219,7 @@ def test_gemma3_attention_scale_follows_llama_cpp(tmp_path):
     27B (168); transformers' reader left its default, 256, which only the 256-wide heads of 270M-12B
     match. The tiny file's heads are 64 wide."""
     from types import SimpleNamespace
-    from kvboost_engine.weights.gguf_model import gemma3_query_scalar
+    from kvboost_engine.weights.gguf_config import gemma3_query_scalar
     path = tmp_path / "g.gguf"
     write_model(path, "gemma3", Q.Q8_0, embed=Q.Q8_0)
     for folder in (packed_gguf_dir(path), converted_gguf_dir(path)):

@@ -33,9 +33,9 @@ from ..errors import InputError
 from ..model.building import building_model
 from ..paths import build_lock, cache_home
 from .gguf_blocks import dequantize
+from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, check_gguf
 from .gguf_repack import fits_packed, repack, unpermute_rows, zero_code
-from .gguf_rope import apply_gguf_rope
 from .memory import available_bytes, check_fits
 from .pack_file import PackWriter, mapped_bytes, read_pack
 from .packed import BLOCK, TILE, PackedEmbedding, PackedLinear
@@ -138,33 +138,6 @@ def _gguf_names(model: nn.Module, arch: str, layers: int) -> dict[str, str]:
                 raise InputError(f"no GGUF tensor name for module {name} ({arch})")
             out[name] = found
     return out
-
-
-def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
-    """The config transformers reads from a GGUF, with what its reader drops put back: the rotary
-    scaling (gguf_rope.py) and Gemma 3's attention scale (gemma3_query_scalar). file: the GGUF
-    already opened, if it is."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    file = file or GGUFFile(gguf_path)
-    apply_gguf_rope(config, file)
-    table = file.tensors.get("token_embd.weight")
-    if table is not None and len(table.shape) == 2 and config.vocab_size != table.shape[0]:
-        log.warning("%s: vocab_size %s in its metadata, %s rows in its embedding table: the table's count is used",
-                    gguf_path.name, config.vocab_size, table.shape[0])
-        config.vocab_size = table.shape[0]      # the table is what the model computes with
-    if config.model_type == "gemma3_text":
-        config.query_pre_attn_scalar = gemma3_query_scalar(config)
-    return config
-
-
-def gemma3_query_scalar(config) -> int:
-    """Gemma 3's query_pre_attn_scalar, which a GGUF does not store (transformers' reader leaves its
-    default, 256): llama.cpp takes hidden / heads for the 62-layer model (27B: 5376 / 32 = 168, its
-    config's value) and head_dim for every other (256 from 270M to 12B)."""
-    if config.num_hidden_layers == 62:
-        return config.hidden_size // config.num_attention_heads
-    return config.head_dim
 
 
 def _build(gguf_path: Path, target: Path) -> None:
