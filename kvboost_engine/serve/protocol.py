@@ -8,11 +8,10 @@ by the engine itself (its `InputError` messages name the parameter).
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 from ..constrained import AnyJson, JsonSchema
-from ..request.sampling import SamplingParams
+from ..request.sampling import SAMPLING_NAMES
 
 # OpenAI's (and vLLM's extension) field name -> the engine's parameter name
 SAMPLING_FIELDS = {
@@ -60,7 +59,7 @@ class Call:
 
 def engine_parameters() -> frozenset[str]:
     """The sampling parameter names this engine's `SamplingParams.build` accepts."""
-    return frozenset(inspect.signature(SamplingParams.build).parameters) - {"cls"}
+    return SAMPLING_NAMES
 
 
 def parse_chat(body, accepted: frozenset[str]) -> Call:

@@ -29,11 +29,12 @@ from torch import nn
 from ..errors import InputError
 from ..paths import build_lock, cache_home
 from .formats import INT4_GROUP, quantize_int4_groups, quantize_int8_rows
+from .gguf_repack import fits_packed
 from .gguf_model import DATA, EMBEDDING, HEAD, is_packed_dir, load_packed_model, skeleton, write_packed_dir
 from .memory import check_fits
 from .pack_file import PackWriter
 from .safetensors_file import SafetensorsFile
-from .packed import BLOCK, TILE, pack_codes
+from .packed import BLOCK, pack_codes
 
 PACK_VERSION = "hf-pack-2"        # 2: int4 m in bf16 for code 8, int8 m derived (zero_code)
 BITS = {"int4": 4, "int8": 8}
@@ -50,8 +51,7 @@ def _checkpoint(source: Path) -> dict[str, SafetensorsFile]:
 
 
 def _tiles(module: nn.Module) -> bool:
-    n, k = module.weight.shape
-    return n % TILE == 0 and k % BLOCK == 0
+    return fits_packed(tuple(module.weight.shape))
 
 
 def _plan(model: nn.Module, stored: dict, fmt: str, config) -> dict[str, tuple] | None:
