@@ -3,6 +3,8 @@ to the int8 rounding of activations, on every layout it takes; the engine uses i
 weights="int4" and falls back cleanly where it cannot run; the library is built once."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -452,3 +454,62 @@ def test_int4_requests_decoding_together_match_each_alone():
     assert together == serial
     assert engine.cache.pool.usage()["in_use"] == 0
     assert engine.stats()["native_fallback_steps"] == {}      # every step native, alone or together
+
+
+@needs_cpu
+@pytest.mark.parametrize("keep", [0, 65536])
+def test_a_library_cut_short_is_built_again_not_mapped(tmp_path, monkeypatch, keep):
+    """A library left short at its name (a crash mid-write, a partial copy of the cache) is removed
+    and built again: mapped, it killed the process (SIGBUS), or, empty, moved to the next variant."""
+    calls: list = []
+    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
+    real, _ = build.load()
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    path = build.library_path(build.compiler(), real.isa)
+    path.parent.mkdir(parents=True)
+    with open(real._name, "rb") as whole:
+        path.write_bytes(whole.read(keep))
+    assert not build._intact(path) and build._intact(Path(real._name))
+    lib, reason = build.load(real.isa)
+    assert lib is not None and lib.isa == real.isa and calls == [path.name], reason
+    assert build._intact(path)
+
+
+@needs_cpu
+def test_a_compiler_that_cannot_run_is_a_reason(tmp_path, monkeypatch):
+    """$CXX missing, or an executable that cannot run: a reason, not an exception out of Engine();
+    $CXX with words after the compiler (a wrapper, flags) is used as a command line."""
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    broken = tmp_path / "g++-broken"
+    broken.write_text("#!/no/such/interpreter\n")
+    broken.chmod(0o755)
+    for cxx, why in [(str(tmp_path / "absent-g++"), "not found"), (str(broken), "failed")]:
+        monkeypatch.setenv("CXX", cxx)
+        monkeypatch.setattr(build, "_loaded", {})
+        lib, reason = build.load()
+        assert lib is None and why in reason, reason
+    monkeypatch.setenv("CXX", "env g++")
+    assert build.compiler().endswith("env g++")
+    assert build.library_path(build.compiler(), "avx2").name.startswith(build.PREFIX)
+
+
+@needs_cpu
+def test_a_built_library_is_readable_by_others(tmp_path):
+    """Not mkstemp's 0600 (kept by the linker): another user sharing $KVBOOST_HOME can load it."""
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int kvb_tiny() { return 1; }\n')
+    path = tmp_path / "tiny.so"
+    build._compile(build.compiler(), path, "avx2", source)
+    assert path.stat().st_mode & 0o777 == 0o755 and build._intact(path)
+
+
+@needs_cpu
+def test_a_closed_decoder_refuses_to_step():
+    model = tiny_model("llama")
+    decoder, reason = native_decoder(ModelAdapter(model), threads=1)
+    assert decoder is not None, reason
+    kv = _contiguous(decoder.adapter)
+    decoder.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        decoder(kv, 1, 0)

@@ -26,6 +26,7 @@ import ctypes
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -111,8 +112,19 @@ def cpu_reason() -> str | None:
 
 
 def compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
+    """The C++ compiler: $CXX (a command line: its first word resolved on PATH, its other words passed
+    on, as `CXX="ccache g++"`), else g++, else c++; None where $CXX is set and cannot be found, or
+    none exists."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        try:
+            words = shlex.split(cxx)
+        except ValueError:
+            return None
+        found = shutil.which(words[0])
+        return shlex.join([found, *words[1:]]) if found else None
+    for name in ("g++", "c++"):
+        if shutil.which(name):
             return shutil.which(name)
     return None
 
@@ -123,7 +135,11 @@ def runs_here() -> bool:
 
 
 def library_path(cxx: str, isa: str, source: Path = SOURCE) -> Path:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    """The library's path in the cache, keyed by the source, the compiler (its command and the first
+    line of its --version), the flags and the variant. OSError / SubprocessError where the compiler
+    cannot be run (or hangs: 60 s)."""
+    version = subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True, errors="replace",
+                             timeout=60).stdout.splitlines()[:1]
     key = xxhash.xxh3_64_hexdigest("\0".join([source.read_text(), cxx, *version, *FLAGS, *ISAS[isa][0]]).encode())
     return cache_home() / "native" / f"{PREFIX}{isa}-{key}.so"
 
@@ -166,13 +182,19 @@ def load_from(source: Path, isa: str) -> tuple[object | None, str | None]:
 def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str | None]:
     cxx = compiler()
     if cxx is None:
+        if os.environ.get("CXX", "").strip():
+            return None, f"the C++ compiler $CXX={os.environ['CXX']!r} was not found"
         return None, "no C++ compiler found (set CXX, or install g++)"
-    path = library_path(cxx, isa, source)
+    try:
+        path = library_path(cxx, isa, source)
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"running the C++ compiler {cxx!r} failed: {err}"
     for attempt in range(2):
         try:
-            if not path.exists():
+            if not _intact(path):
                 with build_lock(path):
-                    if not path.exists():
+                    if not _intact(path):           # absent, or cut short (a crash mid-write, a partial copy):
+                        path.unlink(missing_ok=True)   # mapped, it would kill the process (SIGBUS)
                         _compile(cxx, path, isa, source)
                         prune(path)
             _mark_used(path)
@@ -195,6 +217,23 @@ def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str
     if lib.isa != isa:
         return None, f"{path} was built for {lib.isa}, not {isa}"
     return lib, None
+
+
+def _intact(path: Path) -> bool:
+    """Whether `path` is a whole 64-bit ELF file: present, and as long as its header says (its section
+    header table, which the linker writes last, ends the file), so a library cut short is never mapped."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+        return False
+    order = "little" if head[5] == 1 else "big"
+    shoff = int.from_bytes(head[0x28:0x30], order)
+    shentsize, shnum = int.from_bytes(head[0x3A:0x3C], order), int.from_bytes(head[0x3C:0x3E], order)
+    return size >= shoff + shentsize * shnum
 
 
 def _mark_used(path: Path) -> None:
@@ -249,9 +288,13 @@ def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
     handle, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(handle)
     try:
-        done = subprocess.run([cxx, *FLAGS, *ISAS[isa][0], str(source), "-o", staging], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([*shlex.split(cxx), *FLAGS, *ISAS[isa][0], str(source), "-o", staging],
+                              capture_output=True, text=True, errors="replace", timeout=300)
         if done.returncode != 0:
             raise RuntimeError(" | ".join(done.stderr.strip().splitlines()[-3:])[-500:])
+        os.chmod(staging, 0o755)           # not mkstemp's 0600 (kept by the linker): others sharing the cache load it
+        with open(staging, "rb") as f:     # on disk before it takes the name: a crash after the rename must not
+            os.fsync(f.fileno())           # leave a short file there (a lost rename only means a rebuild)
         os.replace(staging, path)
     finally:
         if os.path.exists(staging):

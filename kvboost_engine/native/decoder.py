@@ -202,6 +202,8 @@ class NativeDecoder:
         rotary kind) with their tokens -> the wanted rows' logits [wanted, vocab]; every row's K and V
         are written before any row attends. MemoryError where the library cannot allocate the step's
         scratch, ValueError for a position past its range: then nothing is computed and no KV written."""
+        if not self._handle:
+            raise RuntimeError("this native decoder is closed")
         keep: list = []
         array = (abi.Row * len(rows))(*(self._row(view, p, want, tables, keep) for view, p, want, tables in rows))
         x = self._embed(token_ids)
