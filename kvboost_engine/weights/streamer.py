@@ -107,7 +107,11 @@ class LayerStreamer:
             slot = self.slots[slot_id]
             hit = future.done() and (slot.ready is None or slot.ready.query())
             started = time.perf_counter()
-            future.result()
+            try:
+                future.result()
+            except BaseException:                  # the load failed: its slot is free again, and the next
+                self._free.append(slot_id)         # pass loads the layer afresh (_resync)
+                raise
             self._count_use(index, hit, time.perf_counter() - started)
             if slot.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
@@ -147,7 +151,10 @@ class LayerStreamer:
         self.stats.resyncs += 1
         self.stats.discarded += len(self._inflight)
         for slot_id, future in self._inflight.values():
-            future.result()
+            try:
+                future.result()                    # dropped: a failed load is retried when its layer is asked for
+            except Exception:
+                pass
             self._free.append(slot_id)
         self._inflight.clear()
         self._next = self._position[index]

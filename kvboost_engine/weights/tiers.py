@@ -23,6 +23,7 @@ class PackFileTier:
     name = "disk"
 
     def __init__(self, path: Path):
+        self._fd = -1
         self.path = Path(path)
         header, base = read_header(self.path)
         self.entries: dict[int, TensorEntry] = {}
@@ -86,14 +87,33 @@ def write_pack_file(path: Path, sizes: dict[int, int], blobs, metadata: dict[str
     raw = json.dumps(header).encode()
     raw += b" " * (-(8 + len(raw)) % 64)           # data starts 64-byte aligned
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(struct.pack("<Q", len(raw)) + raw)
-        for layer, blob in blobs:
-            assert blob.numel() == sizes[layer], (layer, blob.numel(), sizes[layer])
-            handle.write(memoryview(blob.numpy()))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(struct.pack("<Q", len(raw)) + raw)
+            for layer, blob in blobs:
+                if blob.numel() != sizes[layer]:
+                    raise ValueError(f"layer {layer}: a blob of {blob.numel()} bytes, {sizes[layer]} announced")
+                handle.write(memoryview(blob.numpy()))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:                       # an interrupted write leaves nothing behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def pack_file_ok(path: Path, sizes: dict[int, int], metadata: dict[str, str]) -> bool:
+    """Whether `path` is a whole pack file as write_pack_file(path, sizes, ..., metadata) writes it:
+    its header readable, the same metadata and layer sizes, and the file as long as they say (a file
+    cut short, or another one at the name, is written again rather than failing mid-request)."""
+    try:
+        header, base = read_header(path)
+        size = path.stat().st_size
+        layers = {int(key.split(".")[1]): info["data_offsets"] for key, info in header.items() if key.startswith("layers.")}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
+        return False
+    return (header.get("__metadata__") == metadata and {i: end - start for i, (start, end) in layers.items()} == sizes
+            and size >= base + max((end for _, end in layers.values()), default=0))
 
 
 def fill(tier, layer: int, staging: torch.Tensor) -> torch.Tensor:

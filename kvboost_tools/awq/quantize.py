@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,29 @@ class SearchOptions:
 DEFAULTS = SearchOptions()
 
 
-def check_quantizable(model: nn.Module) -> None:
+QUANTIZABLE = ("llama", "mistral", "qwen2", "qwen3")    # RMSNorm weights that multiply, the MLP's input norm
+                                                        # post_attention_layernorm, one kind of layer
+
+
+def check_quantizable(model: nn.Module, group_size: int | None = None) -> None:
+    """ValueError where the scale folding and the calibration chain cannot keep the float model: an
+    architecture other than QUANTIZABLE (Gemma's norms scale by 1 + w, its MLP norm is another
+    module, its layers differ in attention), layers of several attention kinds (each layer is
+    calibrated with the first one's mask), a linear whose inputs are no whole number of groups."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in QUANTIZABLE:
+        raise ValueError(f"the quantizer takes {', '.join(QUANTIZABLE)} models, not {model_type!r}")
+    kinds = set(getattr(model.config, "layer_types", None) or [])
+    if len(kinds) > 1:
+        raise ValueError(f"the quantizer calibrates every layer with one attention mask; this model's layers "
+                         f"are of {len(kinds)} kinds ({', '.join(sorted(kinds))})")
+    if group_size is not None:
+        if group_size not in (32, 64, 128):
+            raise ValueError(f"group size must be 32, 64 or 128 (AutoAWQ's GEMM sizes), got {group_size}")
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and ".layers." in name and module.in_features % group_size:
+                raise ValueError(f"{name} has {module.in_features} inputs, not a whole number of groups of "
+                                 f"{group_size}: choose a group size that divides it")
     for layer in decoder_layers(model):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
@@ -69,7 +93,7 @@ def quantize_model(model: nn.Module, token_ids: torch.Tensor | None, group_size:
 
     `token_ids` [B, S] are the calibration rows; None: plain round-to-nearest. Modifies `model`
     in place (scales folded in; with `sequential`, decoder linears hold their dequantized weights)."""
-    check_quantizable(model)
+    check_quantizable(model, group_size)
     if options.rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {options.rounding!r}")
     packed = search_model(model, token_ids, group_size, options) if token_ids is not None else {}
@@ -149,16 +173,26 @@ def quantized_state(model: nn.Module, group_size: int, packed: dict[int, tuple])
 
 def save_checkpoint(model: nn.Module, state: dict[str, torch.Tensor], out: Path, group_size: int,
                     tokenizer_dir: Path | None = None) -> None:
-    """Write config.json (with AutoAWQ's quantization_config), model.safetensors and tokenizer files."""
+    """Write config.json (with AutoAWQ's quantization_config), model.safetensors and tokenizer files.
+    Written beside, then moved in, config.json last and the old one removed first: an interruption
+    leaves `out` without a config (not a checkpoint), never an old config over part of new weights."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = AWQConfig(4, group_size, True, "gemm").to_dict()
-    config["dtype"] = "float16"
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
+    staging = Path(tempfile.mkdtemp(prefix=".awq-", dir=out))
+    try:
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config["quantization_config"] = AWQConfig(4, group_size, True, "gemm").to_dict()
+        config["dtype"] = "float16"
+        (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if (tokenizer_dir / name).exists():
+                shutil.copy(tokenizer_dir / name, staging / name)
+        (out / "config.json").unlink(missing_ok=True)
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv=None) -> None:
@@ -177,7 +211,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from kvboost_engine.loading import load_model_and_tokenizer, resolve_model_dir
 
-    source = resolve_model_dir(args.model)
+    source = resolve_model_dir(args.model, "fp32")       # a .gguf as a float model (its layers as nn.Linear)
     model, tokenizer = load_model_and_tokenizer(source, device=torch.device("cpu"), dtype=torch.float32)
     started = time.perf_counter()
     ids = calibration_ids(tokenizer, args.rows, args.seq_len) if args.rows else None

@@ -4,7 +4,7 @@ A layout turns the checkpoint's tensors (qweight, qzeros, scales) into its own t
 at load time; the same bytes are what layer streaming moves. Three layouts:
 
 - `cpu-int4pack`: PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations).
-- `awq-ext`: AutoAWQ's CUDA kernels (`awq_ext`, the optional `[cuda]` extra), AWQ tensors as is.
+- `awq-ext`: AutoAWQ's CUDA kernels (`awq_ext`, the optional `[awq-cuda]` extra), AWQ tensors as is.
 - `dequant`: any device; AWQ tensors as is, dequantized to the activation dtype per matmul.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...errors import InputError
 from .format import dequantize, unpack_int4
 
 
@@ -103,29 +104,37 @@ class AwqExtLayout:
         return out.to(x.dtype)
 
 
+KERNELS = ("dequant", "cpu-int4pack", "awq-ext")
+
+
 def select_layout(device: torch.device, kernel: str | None = None):
     """The best layout for `device`: a named one when `kernel` is given, else probed.
 
     CPU: `cpu-int4pack` when PyTorch has the op and it passes a small self-check, else
-    `dequant`. CUDA: `awq-ext` when AutoAWQ's kernels import, else `dequant`.
+    `dequant`. CUDA: `awq-ext` when AutoAWQ's kernels import, else `dequant`. A named kernel that
+    does not exist, cannot run on `device` or is not installed: InputError.
     """
+    if kernel is not None and kernel not in KERNELS:
+        raise InputError(f"unknown awq_kernel {kernel!r} (one of {', '.join(KERNELS)})")
+    if kernel == "cpu-int4pack" and device.type != "cpu":
+        raise InputError(f"awq_kernel='cpu-int4pack' runs on the CPU, not on {device}")
+    if kernel == "awq-ext" and device.type != "cuda":
+        raise InputError(f"awq_kernel='awq-ext' runs on CUDA, not on {device}")
     if kernel == "dequant":
         return DequantLayout()
     if kernel == "cpu-int4pack" or (kernel is None and device.type == "cpu"):
         if cpu_int4pack_works():
             return CpuInt4PackLayout()
         if kernel is not None:
-            raise RuntimeError("the CPU int4 kernel is not available in this PyTorch build")
+            raise InputError("awq_kernel='cpu-int4pack': the CPU int4 kernel is not available in this PyTorch build")
         return DequantLayout()
     if kernel == "awq-ext" or (kernel is None and device.type == "cuda"):
         try:
             return AwqExtLayout()
-        except ImportError:
+        except ImportError as err:
             if kernel is not None:
-                raise
+                raise InputError(f"awq_kernel='awq-ext' needs AutoAWQ's kernels (pip install .[awq-cuda]): {err}") from err
             return DequantLayout()
-    if kernel is not None:
-        raise ValueError(f"unknown AWQ kernel {kernel!r} (dequant, cpu-int4pack, awq-ext)")
     return DequantLayout()
 
 

@@ -23,7 +23,7 @@ from ...errors import InputError, UnsupportedModelError
 from ..residency import LayerBinding, resident_layers_set
 from ..memory import release_free_memory
 from ..streamer import LayerStreamer
-from ..tiers import HostRamTier, PackFileTier, write_pack_file
+from ..tiers import HostRamTier, PackFileTier, pack_file_ok, write_pack_file
 from ..checkpoint import Checkpoint
 from .format import AWQConfig, awq_config_of
 from .kernels import CpuInt4PackLayout, DequantLayout, select_layout
@@ -60,13 +60,20 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
 
     if stream_from not in STREAM_TIERS:
         raise InputError(f"stream_from must be one of {STREAM_TIERS}, got {stream_from!r}")
+    if isinstance(staging_slots, bool) or not isinstance(staging_slots, int) or staging_slots < 2:
+        raise InputError(f"staging_slots must be an int >= 2 (layer streaming holds one layer while the next "
+                         f"loads), got {staging_slots!r}")
+    if resident_bytes is not None and (isinstance(resident_bytes, bool) or not isinstance(resident_bytes, int)
+                                       or resident_bytes < 0):
+        raise InputError(f"resident_bytes must be None or an int >= 0, got {resident_bytes!r}")
+    layout = select_layout(device, kernel)
     config = compat.fix_loaded_config(AutoConfig.from_pretrained(directory))
     check_supported(config)
     awq = awq_config_of(config)
     if awq is None:
         raise UnsupportedModelError(f"{directory} has no AWQ quantization_config")
     ckpt = Checkpoint(directory)
-    model = _skeleton(config, awq, ckpt, select_layout(device, kernel), dtype)
+    model = _skeleton(config, awq, ckpt, layout, dtype)
     _load_dense(model, ckpt, dtype)
     layers = decoder_layers(model)
     bindings = {i: LayerBinding(awq_modules(layer)) for i, layer in enumerate(layers)}
@@ -86,8 +93,13 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
         else:
             tier = HostRamTier({i: _layer_blob(b, layers[i], ckpt, pin=device.type == "cuda") for i, b in packed.items()})
         model.kvboost_streamer = LayerStreamer(layers, packed, tier, staging_slots, device)
-    model.config.quantization_config = {**awq.to_dict(), "weights_digest": digest}
     model.kvboost_awq = _info(model, awq, bindings, streamed, digest, pack_path)
+    # the kernels in the identity too (model_fingerprint reads it): each computes its own numbers,
+    # so KV one kernel wrote is not the other's exact hit (cpu-int4pack's also by CPU capability)
+    kernels = model.kvboost_awq.awq_kernel
+    if "cpu-int4pack" in kernels:
+        kernels += f"@{torch.backends.cpu.get_cpu_capability()}"
+    model.config.quantization_config = {**awq.to_dict(), "weights_digest": digest, "kvboost_kernels": kernels}
     release_free_memory(collect=True)
     return model.eval()
 
@@ -106,6 +118,7 @@ def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Mod
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.qweight" in ckpt:
             k, n = module.in_features, module.out_features
+            _check_shapes(ckpt, name, k, n, awq.group_size)
             chosen = layout
             if isinstance(layout, CpuInt4PackLayout) and not layout.supports(k, n, awq.group_size):
                 chosen = DequantLayout()
@@ -115,7 +128,27 @@ def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Mod
             setattr(model.get_submodule(parent), child, replacement)
     model.to_empty(device="cpu")
     rebuild_rotary(model)                                           # its buffers were left unset by to_empty
+    for module in model.modules():                                  # as is Gemma 3's embedding scale (a
+        scale = getattr(module, "scalar_embed_scale", None)         # non-persistent buffer: not in the file)
+        if scale is not None and isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+            with torch.no_grad():
+                module.embed_scale.fill_(scale)
     return model
+
+
+def _check_shapes(ckpt: Checkpoint, name: str, k: int, n: int, group: int) -> None:
+    """The AWQ tensors of linear `name` [n, k] as the config and the group size imply (GEMM packing),
+    else UnsupportedModelError naming the tensor."""
+    if k % group or n % 8:
+        raise UnsupportedModelError(f"{name}: {k} inputs / {n} outputs do not fit AWQ groups of {group} "
+                                    f"(and 8 outputs an int32)")
+    want = {"qweight": (k, n // 8), "qzeros": (k // group, n // 8), "scales": (k // group, n)}
+    for part, shape in want.items():
+        entry = ckpt.entries.get(f"{name}.{part}")
+        if entry is None or entry.shape != shape:
+            got = "absent" if entry is None else list(entry.shape)
+            raise UnsupportedModelError(f"{name}.{part}: {got} in the checkpoint, {list(shape)} expected from "
+                                        f"its config (group_size {group}): a checkpoint of another model or settings")
 
 
 def _load_dense(model: nn.Module, ckpt: Checkpoint, dtype) -> None:
@@ -128,8 +161,11 @@ def _load_dense(model: nn.Module, ckpt: Checkpoint, dtype) -> None:
     missing = []
     for name, tensor in list(model.named_parameters()) + _persistent_buffers(model):
         if name in ckpt:
-            with torch.no_grad():
-                ckpt.copy_into(name, tensor.data)
+            try:
+                with torch.no_grad():
+                    ckpt.copy_into(name, tensor.data)
+            except ValueError as err:            # shapes the config does not describe
+                raise UnsupportedModelError(f"the AWQ checkpoint does not fit its config: {err}") from err
         elif not (tied and name == "lm_head.weight"):
             missing.append(name)
     if missing:
@@ -170,13 +206,13 @@ def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, dige
     key = xxhash.xxh3_64_hexdigest(":".join([PACK_FORMAT, digest, torch.__version__, ",".join(layouts),
                                              torch.backends.cpu.get_cpu_capability(), repr(sorted(bindings))]).encode())
     target = Path(pack_dir or cache_home() / "awq-packs") / f"{key}.safetensors"
-    if not target.exists():
+    sizes = {i: b.nbytes for i, b in bindings.items()}
+    metadata = {"format": PACK_FORMAT, "weights_digest": digest, "layouts": ",".join(layouts)}
+    if not pack_file_ok(target, sizes, metadata):
         with build_lock(target):
-            if not target.exists():
-                sizes = {i: b.nbytes for i, b in bindings.items()}
+            if not pack_file_ok(target, sizes, metadata):     # absent, or cut short / damaged: written again
                 blobs = ((i, _layer_blob(bindings[i], layers[i], ckpt)) for i in sorted(bindings))
-                write_pack_file(target, sizes, blobs, {"format": PACK_FORMAT, "weights_digest": digest,
-                                                       "layouts": ",".join(layouts)})
+                write_pack_file(target, sizes, blobs, metadata)
     return target
 
 
