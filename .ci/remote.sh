@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 VERSION=0.3.36                      # llama-cpp-python; vendors llama.cpp 0c1e570
-DEST=${KVBOOST_HOME:-$HOME/.cache/kvboost}/llama-server
+DEST=${KVBOOST_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/kvboost}/llama-server   # paths.cache_home()
 BIN=$DEST/bin/llama-server
 GGUF=$DEST/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$DEST/bin"

@@ -1,6 +1,9 @@
 """Engine options: one slotted dataclass, validated once."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import numbers
 import operator
 import os
 from dataclasses import dataclass
@@ -69,11 +72,12 @@ class EngineConfig:
         float16 scale each, llama.cpp's q8_0; kv/element.py), for long contexts and many concurrent
         chats; the values change more than with 16 bits (the README gives the measured perplexity),
         and reuse stays token-exact in the same way. Needs a head_dim that is a multiple of 32.
-    native_decode: one sequence's decode step as one call into native code (kvboost_engine/native:
-        every layer in AVX512 kernels, no PyTorch op per norm or projection), for float32 models
-        and models converted with weights="int4" (Llama, Mistral, Qwen2 layouts, on CPU). None
-        (default): on where it can run (x86-64 Linux, AVX512-VNNI, a C++ compiler for the one-time
-        build), else the PyTorch layer loop; True: required (InputError with the reason where it
+    native_decode: a step (decode rows of every running sequence, or a prompt chunk) as one call
+        into native code (kvboost_engine/native: every layer in AVX-512, AVX-VNNI or AVX2 kernels,
+        no PyTorch op per norm or projection), for float32 models, models converted with
+        weights="int4" and GGUF files as stored (Llama, Mistral, Qwen2, Qwen3, Gemma 3 layouts, on
+        CPU). None (default): on where it can run (x86-64 Linux, AVX2 with FMA and F16C, a C++
+        compiler for the one-time build), else the PyTorch layer loop; True: required (InputError with the reason where it
         cannot run); False: off. In float32 it is the same arithmetic in another order of
         additions; with int4 it quantizes activations to int8 per block of 32, so its replies can
         differ from the PyTorch int4 path's. Engine.stats() says whether it runs and why not.
@@ -123,13 +127,18 @@ class EngineConfig:
             raise InputError(f"recompute_ratio must be a number in [0, 1], got {self.recompute_ratio!r}")
         if self.moved_selection not in MOVED_SELECTIONS:
             raise InputError(f"moved_selection must be one of {', '.join(MOVED_SELECTIONS)}, got {self.moved_selection!r}")
-        for name in ("paged", "disk_kv_int8", "native_decode"):
+        for name in ("paged", "disk_kv_int8", "native_decode", "moved_window_rule"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (name != "disk_kv_int8" and value is None):
-                allowed = "True or False" if name == "disk_kv_int8" else "None, True or False"
+            if not isinstance(value, bool) and not (name in ("paged", "native_decode") and value is None):
+                allowed = "None, True or False" if name in ("paged", "native_decode") else "True or False"
                 raise InputError(f"{name} must be {allowed}, got {value!r}")
-        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, (str, os.PathLike)):
-            raise InputError(f"disk_cache_dir must be None or a path, got {self.disk_cache_dir!r}")
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, (str, os.PathLike)) or not os.fspath(self.disk_cache_dir):
+                raise InputError(f"disk_cache_dir must be None or a path, got {self.disk_cache_dir!r}")
+            object.__setattr__(self, "disk_cache_dir", os.path.expanduser(os.fspath(self.disk_cache_dir)))
+        for name in ("recompute_ratio", "queue_timeout_s"):
+            if _real(getattr(self, name)):
+                object.__setattr__(self, name, float(getattr(self, name)))      # a numpy float as a float
         if self.kv_device not in KV_DEVICES:
             raise InputError(f"kv_device must be None or 'cpu', got {self.kv_device!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -171,5 +180,30 @@ _OPTIONAL_INTS = ("kv_pool_bytes", "max_batch_tokens")
 
 
 def _real(value) -> bool:
-    """A real number: an int or float (not a bool), not NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A real number (int, float, numpy's; not a bool), not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
+
+
+# Engine.from_pretrained's options beyond EngineConfig's fields (they choose how to load the model)
+LOAD_OPTIONS = ("device", "dtype", "weights", "resident_layers", "resident_bytes", "stream_from", "staging_slots",
+                "awq_kernel")
+
+
+def engine_config(config, options: dict) -> EngineConfig:
+    """The EngineConfig an Engine runs with: `config`, or one built from `options`. InputError for
+    both at once (the options were ignored), a `config` that is not an EngineConfig, and an option
+    EngineConfig does not have (naming the closest, or Engine.from_pretrained for a load option)."""
+    if config is not None:
+        if not isinstance(config, EngineConfig):
+            raise InputError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if options:
+            raise InputError(f"pass config= or options ({', '.join(sorted(options))}), not both")
+        return config
+    fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    for name in options:
+        if name in LOAD_OPTIONS:
+            raise InputError(f"{name!r} chooses how the model loads: Engine.from_pretrained(..., {name}=...) takes it")
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+            raise InputError(f"unknown engine option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    return EngineConfig(**options)

@@ -6,11 +6,11 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from .config import DEFAULT_CACHE_BYTES, DEFAULT_CHUNK_TOKENS, EngineConfig
+from .config import DEFAULT_CACHE_BYTES, DEFAULT_CHUNK_TOKENS, EngineConfig, engine_config
 from .constrained import Grammar, GrammarCompiler, GrammarConstraint, LogitsConstraint
 from .errors import InputError, KVBoostError
 from .instrument import Instruments
@@ -22,16 +22,16 @@ from .model.forward import Forward
 from .model.rope import RopeMover
 from .weights.quantized import check_weights_format
 from .request.decode import Channel, EngineParts, Request, check_timeout, check_window, store
-from .request.generation import Generation, GenerationStream
+from .request.generation import Generation, GenerationStream, RequestCounters
 from .request.openmp import release_thread_pool
 from .request.ordering import order_documents, order_segments
 from .request.prefill import PrefillParts, prefill
 from .request.scheduler import Scheduler
-from .request.prompt import ChatRenderer, segments_from_prompt
+from .request.prompt import ChatRenderer, segments_from_prompt, template_options
 from .request.runner import ModelRunner
 from .request.sampling import SamplingParams, check_names
 from .request.tokens import PromptTokenizer, TokenizedPrompt
-from .wiring import (cache_budget, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
+from .wiring import (cache_budget, check_device, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
                      kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype, weight_stats)
 
 
@@ -48,7 +48,10 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, config: EngineConfig | None = None,
                  model_name: str | None = None, **options):
-        self.config = config or EngineConfig(**options)
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise InputError(f"model must be a loaded transformers model, got {type(model).__name__} (a path or "
+                             "model name: Engine.from_pretrained)")
+        self.config = engine_config(config, options)
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
@@ -76,8 +79,7 @@ class Engine:
         self._scheduler = Scheduler(self._parts, max_running=c.max_running, max_waiting=c.max_waiting,
                                     max_batch_tokens=c.max_batch_tokens or max(c.prefill_chunk_tokens, c.max_running),
                                     queue_timeout_s=c.queue_timeout_s)
-        self._counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
-        self._counter_lock = threading.Lock()
+        self._counters = RequestCounters()
         self._owns_model = False
         self._closed = False
         release_thread_pool()       # this thread loaded the model; its idle OpenMP workers would slow the scheduler's
@@ -108,8 +110,10 @@ class Engine:
         converted tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats
         change the numbers (the README gives their measured perplexity).
         """
-        config = EngineConfig(cache_bytes=cache_bytes, chunk_tokens=chunk_tokens, **options)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        config = engine_config(None, {"cache_bytes": cache_bytes, "chunk_tokens": chunk_tokens, **options})
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise InputError(f"model must be None, a path or a model name, got {type(model).__name__}")
+        device = check_device(device)
         dtype = resolve_dtype(dtype, device)
         if config.kv_pool_bytes is not None:                # refuse before loading the weights
             check_fits_device(config.kv_pool_bytes, torch.device(config.kv_device) if config.kv_device else device)
@@ -137,7 +141,7 @@ class Engine:
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, **params) -> GenerationStream:
         """Like `chat`, as a stream of text deltas; `.generation` holds the result at the end."""
         self._check_open()
-        prompt = self.encode_messages(messages, **(template_kwargs or {}))
+        prompt = self.encode_messages(messages, **template_options(template_kwargs))
         return self._start(prompt, params)
 
     def generate(self, prompt, **params) -> Generation:
@@ -163,19 +167,11 @@ class Engine:
             if not isinstance(constraint, LogitsConstraint):
                 raise InputError("constraint must be a constrained.Grammar or a LogitsConstraint "
                                  f"(mask, advance, is_finished), got {type(constraint).__name__}")
-        request = Request(prompt, sampling, threading.Event(), Channel(), self._count, constraint, time.perf_counter())
+        request = Request(prompt, sampling, threading.Event(), Channel(), self._counters.count, constraint,
+                          time.perf_counter())
         self._scheduler.submit(request)
         deadline = None if timeout_s is None else request.started + timeout_s
         return GenerationStream(request.channel.events(deadline), request.cancel)
-
-    def _count(self, gen: Generation) -> None:
-        """Request counters, for every request however it ended."""
-        with self._counter_lock:
-            c = self._counters
-            c["requests"] += 1
-            c["prompt_tokens"] += gen.prompt_tokens
-            c["reused_tokens"] += gen.reused_tokens
-            c["generated_tokens"] += gen.completion_tokens
 
     def constraint(self, grammar: Grammar) -> GrammarConstraint:
         """Compile a grammar (`constrained.JsonSchema`, `AnyJson`, `Regex`, `Choice`, `Lark`,
@@ -194,7 +190,7 @@ class Engine:
         if messages is None:
             tokenized = self.encode_prompt(prompt)
         else:
-            tokenized = self.encode_messages(messages, **(template_kwargs or {}))
+            tokenized = self.encode_messages(messages, **template_options(template_kwargs))
         check_window(self._parts, len(tokenized), 1)
         return self._scheduler.call(lambda: self._prefill_and_store(tokenized)).logits
 
@@ -272,6 +268,8 @@ class Engine:
         """Cache each document as the first part of a user message after `system` (the layout of
         `document_messages` and of prompts ordered with `order_documents`), so a later prompt that
         starts with that document reuses it exactly. Returns tokens now cached."""
+        if isinstance(documents, (str, bytes)) or not isinstance(documents, Iterable):
+            raise InputError(f"documents must be a list of strings, got {type(documents).__name__}")
         head = [{"role": "system", "content": system}] if system is not None else []
         total = 0
         for text in documents:
@@ -283,8 +281,7 @@ class Engine:
     def stats(self) -> dict:
         """Cache hits, misses, bytes used, evictions, pool blocks, disk tier, request counters, KV dtype;
         for AWQ models also the kernel, weight bytes, bytes streamed, prefetch hit rate, peak RSS."""
-        with self._counter_lock:
-            counters = dict(self._counters)
+        counters = self._counters.snapshot()
         disk = {f"disk_{k}": v for k, v in self.disk.stats().items()} if self.disk is not None else {}
         native = native_stats(self._native, self._native_off, self._parts.prefill.runner.forward_pass.fallbacks)
         return {**self.cache.stats(), **disk, **counters, **weight_stats(self.model), **native,

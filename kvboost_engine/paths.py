@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from filelock import FileLock
@@ -11,9 +12,17 @@ from filelock import FileLock
 def cache_home() -> Path:
     """Root of kvboost's on-disk files: $KVBOOST_HOME, else $XDG_CACHE_HOME/kvboost, else ~/.cache/kvboost."""
     if os.environ.get("KVBOOST_HOME"):
-        return Path(os.environ["KVBOOST_HOME"])
+        return Path(os.environ["KVBOOST_HOME"]).expanduser()          # "~/kvb" as .env files and Docker set it
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvboost"
+
+
+def staging_dir(parent: Path, prefix: str) -> Path:
+    """A new folder in `parent` to build a cache entry in before it takes its name: readable by all
+    (mkdtemp's 0700 would lock other users of a shared $KVBOOST_HOME out of the entry)."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    staging.chmod(0o755)
+    return staging
 
 
 @contextlib.contextmanager

@@ -18,14 +18,25 @@ class EngineRegistry:
 
     def __init__(self):
         self._engines: dict[tuple, Engine] = {}
+        self._loading: dict[tuple, threading.Lock] = {}     # per key: one load at a time, other keys not held
         self._lock = threading.Lock()
 
     def get(self, model=None, **options) -> Engine:
+        """The engine for `model` and `options`, loaded on first use (and again after a close():
+        a closed engine is not handed out). Callers of other keys do not wait for a load."""
         key = _key(model, options)
         with self._lock:
             engine = self._engines.get(key)
-            if engine is None:
-                engine = Engine.from_pretrained(model, **options)
+            if engine is not None and not getattr(engine, "_closed", False):
+                return engine
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            with self._lock:
+                engine = self._engines.get(key)
+                if engine is not None and not getattr(engine, "_closed", False):
+                    return engine
+            engine = Engine.from_pretrained(model, **options)
+            with self._lock:
                 self._engines[key] = engine
             return engine
 

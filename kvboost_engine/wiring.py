@@ -136,6 +136,21 @@ def flush_at_exit(tier):
     return flush
 
 
+def check_device(device) -> torch.device:
+    """`device` (None: CUDA where available, else the CPU) as a torch.device, before anything loads:
+    InputError for a name torch does not know or a CUDA device this machine lacks."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise InputError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from err
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise InputError(f"device {str(device)!r}: this machine has no such CUDA device (torch sees "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    return device
+
+
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16

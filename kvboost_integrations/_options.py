@@ -11,10 +11,7 @@ import dataclasses
 import difflib
 
 from kvboost_engine import EngineConfig, InputError
-
-# Options of Engine.from_pretrained beyond EngineConfig's fields.
-LOAD_OPTIONS = ("device", "dtype", "resident_layers", "resident_bytes", "stream_from", "staging_slots", "awq_kernel",
-                "weights")
+from kvboost_engine.config import LOAD_OPTIONS     # Engine.from_pretrained's options beyond EngineConfig's fields
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)) + LOAD_OPTIONS
 # Names other wrappers use for what we call otherwise.
 ALIASES = {"model_id": "model", "model_name": "model", "model_path": "model", "tokenizer_name": "model",

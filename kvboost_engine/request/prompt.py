@@ -37,6 +37,15 @@ class Segment:
             raise InputError(f"segment text must be a string, got {type(self.text).__name__}")
 
 
+def template_options(value) -> dict:
+    """Keyword arguments for the chat template (a request's `template_kwargs`): a mapping, or None."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InputError(f"template_kwargs must be a mapping of keyword arguments, got {type(value).__name__}")
+    return dict(value)
+
+
 def segments_from_prompt(prompt) -> list[Segment]:
     """A plain string, or a sequence of `Segment`/str/{"text", "kind"} items, as segments."""
     if isinstance(prompt, str):

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.building import building_model
-from ..paths import build_lock, cache_home
+from ..paths import build_lock, cache_home, staging_dir
 from .gguf_blocks import dequantize
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, check_gguf
@@ -160,7 +159,7 @@ def write_packed_dir(target: Path, write_tensors, config, tokenizer, source: dic
     index metadata (plus `source` and the time taken), then the config and tokenizer; a staging dir
     beside `target` replaces it only when complete."""
     started = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=".pack-", dir=target.parent))
+    staging = staging_dir(target.parent, ".pack-")
     try:
         writer = PackWriter(staging / DATA, staging / INDEX)
         try:

