@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvboost_engine import Engine
+from kvboost_engine import Engine, KVBoostError
 
 SYSTEM_PROMPT = (
     "You are Ada, the support assistant of Northwind Outfitters, a shop for hiking and camping gear. "
@@ -30,9 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="HF dir, .gguf or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
-
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
     started = time.perf_counter()
-    warm = Engine.from_pretrained(args.model)
+    try:
+        warm = Engine.from_pretrained(args.model)
+    except KVBoostError as err:
+        raise SystemExit(f"kvboost: {err}") from None
+    if not getattr(warm.tokenizer, "chat_template", None):
+        raise SystemExit(f"kvboost: {warm.model_name} has no chat template; the demo is a chat (a base model: "
+                         "engine.generate with a plain prompt)")
     cold = Engine(warm.model, warm.tokenizer, cache_bytes=0, model_name=warm.model_name)
     print(f"loaded {warm.model_name} in {time.perf_counter() - started:.1f}s "
           f"({warm.adapter.dtype}, {warm.adapter.device})\n")
