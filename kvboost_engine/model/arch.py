@@ -4,6 +4,8 @@ Everything downstream talks to a `ModelAdapter`, never to HF module names direct
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -210,9 +212,28 @@ class ModelAdapter:
         kinds = [params if kind is None else (params.get(kind) or {}) for kind in set(self.layer_rope_kinds)]
         return all(str(p.get("rope_type", "default")) in STATIC_ROPE for p in kinds)
 
-    def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+    @functools.cached_property
+    def regime_limit(self) -> int | None:
+        """For longrope (Phi-3 128k): the original window. HF chooses its short or long factors by a
+        call's length, so a prompt longer than this is computed with the long ones from its first
+        position (KV no shorter call can share); None for every other rope type."""
+        params = self.rope_settings()
+        kinds = [params if kind is None else (params.get(kind) or {}) for kind in set(self.layer_rope_kinds)]
+        if not any(str(p.get("rope_type")) == "longrope" for p in kinds):
+            return None
+        limits = [p.get("original_max_position_embeddings") for p in kinds if p.get("original_max_position_embeddings")]
+        return int(min(limits) if limits else getattr(self.config, "original_max_position_embeddings", 0)
+                   or self.context_window)
+
+    def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor, regime_end: int | None = None) -> dict:
         """cos/sin for `positions` [1, N] per rope kind, computed by the model's own rotary module
-        (one call per kind, not per layer)."""
+        (one call per kind, not per layer). `regime_end`: the length of the whole call these
+        positions are part of (a prompt computed in chunks), for a rotary whose frequencies the
+        call's length chooses (longrope): as the one call would."""
+        if regime_end is not None and regime_end > int(positions.max()) + 1 and self.regime_limit is not None:
+            ext = torch.cat([positions, positions.new_full((1, 1), regime_end - 1)], dim=1)
+            full = self.position_embeddings(hidden[:, :1].expand(-1, ext.shape[1], -1), ext)
+            return {kind: tuple(t[:, :-1] for t in pair) for kind, pair in full.items()}
         kinds = set(self.layer_rope_kinds)
         if kinds == {None}:
             return {None: self.rotary(hidden, position_ids=positions)}

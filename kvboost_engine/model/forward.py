@@ -91,7 +91,7 @@ class Forward:
         ids = torch.tensor([token_ids], dtype=torch.long, device=a.device)          # [1, N]
         positions = torch.arange(start, end, device=a.device)[None, :]              # [1, N]
         hidden = a.embed(ids)                                                       # [1, N, hidden]
-        rope = a.position_embeddings(hidden, positions)
+        rope = a.position_embeddings(hidden, positions, getattr(kv, "rope_end", None))
         step = AttentionStep(kv, start, end, a.layer_windows)
         for layer_idx in range(len(a.layers)):
             hidden = a.run_layer(layer_idx, hidden, rope, positions, step)
@@ -182,7 +182,8 @@ class Forward:
         if self._static_rope:
             rope = a.position_embeddings(hidden, torch.cat(positions)[None])
         else:       # longrope / dynamic: each sequence's cos / sin as alone (a call's largest position chooses)
-            ropes = [a.position_embeddings(hidden[:, lo:hi], p[None]) for (lo, hi), p in zip(rows, positions)]
+            ropes = [a.position_embeddings(hidden[:, lo:hi], p[None], getattr(kv, "rope_end", None))
+                     for (lo, hi), p, (kv, _, _) in zip(rows, positions, items)]
             rope = {kind: tuple(torch.cat([r[kind][j] for r in ropes], dim=1) for j in range(len(ropes[0][kind])))
                     for kind in ropes[0]}
         positions = torch.cat(positions)[None]                                              # [1, T]

@@ -133,14 +133,14 @@ class NativeDecoder:
         model's own rotary module: a decode step's, as the PyTorch path computes a one-token step's."""
         return self._rotary_span(position, 1)[0]
 
-    def _rotary_span(self, start: int, count: int) -> list[list[torch.Tensor]]:
+    def _rotary_span(self, start: int, count: int, regime_end: int | None = None) -> list[list[torch.Tensor]]:
         """Each of positions start..start+count-1: its cos, sin [head_dim] of each rotary kind. A
         rotary whose frequencies depend on the sequence length (longrope, dynamic) is computed in one
         call over the span, as the PyTorch path computes a prompt chunk's (the length its last
         position gives chooses the frequencies of every row); the others come from a table."""
         a = self.adapter
         if not self._static_rope:
-            tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(start, start + count)[None])
+            tables = a.position_embeddings(torch.zeros(1, 1, 1), torch.arange(start, start + count)[None], regime_end)
             span = [t[0].float().contiguous() for kind in self._kinds for t in tables[kind]]
             return [[t[i] for t in span] for i in range(count)]
         end = start + count
@@ -253,7 +253,7 @@ class NativeDecoder:
         view = self._view(kv, start + len(token_ids) - 1)
         if view is None:
             return None
-        tables = self._rotary_span(start, len(token_ids))       # the chunk's, in one call (as the PyTorch path)
+        tables = self._rotary_span(start, len(token_ids), getattr(kv, "rope_end", None))   # as the PyTorch path
         for lo, hi in self._split(range(start, start + len(token_ids)), PREFILL_ROWS):
             last = hi == len(token_ids)
             rows = [(view, start + i, last and i == hi - 1, tables[i]) for i in range(lo, hi)]

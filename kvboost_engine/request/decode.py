@@ -65,6 +65,9 @@ def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto
           extra_tokens: list[int] = (), *, pin: bool = False) -> int:
     """Insert the KV of the prompt (plus `extra_tokens` generated after it) into the cache."""
     n = len(prompt)
+    limit = parts.prefill.adapter.regime_limit
+    if limit is not None and n > limit:     # longrope's long factors: KV no shorter prompt computes alike
+        return 0
     chunk = parts.prefill.config.chunk_tokens
     tokens = prompt.token_ids + list(extra_tokens)
     ends = prompt.chunk_ends + list(range(n + chunk, upto, chunk)) + ([upto] if upto > n else [])

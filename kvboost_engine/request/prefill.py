@@ -117,13 +117,16 @@ class _MovedSourcesHeldTheRoom(Exception):
 def _assemble(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int, use_moved: bool):
     """(sequence with the exact prefix and moved spans in place, the match, the moved spans)."""
     n = len(prompt)
-    match = parts.cache.match(prompt.token_ids, n - 1, prompt.chunk_ends)
+    long_call = parts.adapter.regime_limit is not None and n > parts.adapter.regime_limit
+    match = parts.cache.match(prompt.token_ids, 0 if long_call else n - 1, prompt.chunk_ends)   # (longrope)
     moved, sequence, handed_over = [], None, False
+    use_moved = use_moved and not long_call
     try:
         if use_moved:
             moved = _moved_spans(parts, prompt, match.length, n + new_tokens)
         handed_over = True                  # from here _sequence owns match.table, even when it fails
         sequence = _sequence(parts, match, n + new_tokens)
+        sequence.rope_end = n               # its chunks' rotary as the prompt's one call (longrope)
         for span in moved:
             _load_moved(parts, sequence, span)
     except BaseException as err:
