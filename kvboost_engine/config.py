@@ -63,15 +63,16 @@ class EngineConfig:
         None (default) the model's dtype; "bfloat16" or "float16" halve a float32 model's KV memory
         and the bytes attention reads per step (llama.cpp keeps f16 KV by default). Keys and values
         are rounded (to nearest even) when written and computed with in the model's dtype when read,
-        by every path alike, so reuse stays token-exact: a request with and without cache attends
-        over the same rounded KV (the native step's logits bit for bit; the PyTorch path's within
-        ~1e-2, where a key from a prefill's product and a decode step's round apart). The rounding
+        by every path alike, so reuse on the native step stays token-exact: a request with and
+        without cache attends over the same rounded KV (logits bit for bit). On the PyTorch path a
+        key from a prefill's product and a decode step's can round apart: float16 within ~1e-2 on
+        the logits, bfloat16 and int8 more (a greedy reply can change). The rounding
         changes the numbers against float32 KV (the README gives the measured effect). Mixed into
         the cache fingerprint: disk entries of one KV dtype are never read by an engine of another.
         "int8": a quarter of float32 KV memory (8.5 bits a value: int8 codes per block of 32 with a
         float16 scale each, llama.cpp's q8_0; kv/element.py), for long contexts and many concurrent
         chats; the values change more than with 16 bits (the README gives the measured perplexity),
-        and reuse stays token-exact in the same way. Needs a head_dim that is a multiple of 32.
+        and reuse as exact as above (the native step's). Needs a head_dim that is a multiple of 32.
     native_decode: a step (decode rows of every running sequence, or a prompt chunk) as one call
         into native code (kvboost_engine/native: every layer in AVX-512, AVX-VNNI or AVX2 kernels,
         no PyTorch op per norm or projection), for float32 models, models converted with

@@ -267,7 +267,8 @@ class Engine:
     def warm_documents(self, documents, *, system: str | None = None, pin: bool = False) -> int:
         """Cache each document as the first part of a user message after `system` (the layout of
         `document_messages` and of prompts ordered with `order_documents`), so a later prompt that
-        starts with that document reuses it exactly. Returns tokens now cached."""
+        starts with that document reuses it exactly. Returns the sum of each warm()'s cached length
+        (the system prompt's tokens counted once per document)."""
         if isinstance(documents, (str, bytes)) or not isinstance(documents, Iterable):
             raise InputError(f"documents must be a list of strings, got {type(documents).__name__}")
         head = [{"role": "system", "content": system}] if system is not None else []

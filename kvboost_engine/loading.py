@@ -29,7 +29,7 @@ from .native import build
 from .model import compat
 from .model.building import building_model
 from .progress import Stages
-from .paths import build_lock, cache_home, staging_dir
+from .paths import build_folder, build_lock, cache_home, staging_dir
 from .weights.gguf_model import is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -102,7 +102,7 @@ def _converted_once(name: str, gguf_in) -> Path:
         return target
     with build_lock(target):
         if not (target / _COMPLETE).exists():
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            with tempfile.TemporaryDirectory(prefix=".fetch-", dir=build_folder(target.parent)) as tmp:
                 _convert_gguf(gguf_in(Path(tmp)), target)
     return target
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from filelock import FileLock
@@ -17,12 +19,47 @@ def cache_home() -> Path:
     return Path(base) / "kvboost"
 
 
+STAGING_PREFIXES = (".convert-", ".pack-", ".fetch-", ".tmp")   # what a build writes before the rename
+STALE_STAGING_S = 86400          # no build takes a day: staging that old is a killed process's
+
+
 def staging_dir(parent: Path, prefix: str) -> Path:
     """A new folder in `parent` to build a cache entry in before it takes its name: readable by all
-    (mkdtemp's 0700 would lock other users of a shared $KVBOOST_HOME out of the entry)."""
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    (mkdtemp's 0700 would lock other users of a shared $KVBOOST_HOME out of the entry). Staging left
+    there by builds killed over a day ago goes first (prune_staging)."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=build_folder(parent)))
     staging.chmod(0o755)
     return staging
+
+
+def build_folder(parent: Path) -> Path:
+    """`parent`, made if absent, with the staging of builds killed over a day ago removed from it."""
+    parent.mkdir(parents=True, exist_ok=True)
+    prune_staging(parent)
+    return parent
+
+
+def prune_staging(parent: Path, older_than_s: float = STALE_STAGING_S) -> list[str]:
+    """Remove from `parent` the staging folders and files (STAGING_PREFIXES) untouched for
+    `older_than_s`: a process killed mid-build leaves them (hundreds of MB each) and nothing else
+    would. The names removed; anything that cannot be removed is passed over."""
+    removed, cutoff = [], time.time() - older_than_s
+    try:
+        entries = [e for e in parent.iterdir() if e.name.startswith(STAGING_PREFIXES)]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if entry.lstat().st_mtime >= cutoff:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry.name)
+        except OSError:
+            continue
+    return removed
 
 
 @contextlib.contextmanager

@@ -178,3 +178,19 @@ def test_a_server_refuses_a_port_another_process_holds(tmp_path):
 def test_the_llama_server_home_follows_kvboost_home():
     assert servers.LLAMA_HOME == cache_home() / "llama-server"
     assert Path(servers.llama_binary()).is_absolute() or "KVBOOST_LLAMA_SERVER" in __import__("os").environ
+
+
+def test_staging_a_killed_build_left_goes_at_the_next_build(tmp_path):
+    """A process killed mid-conversion left its staging folder (538 MB for the default model) for good."""
+    import os
+    from kvboost_engine.paths import staging_dir
+    old, recent, other = tmp_path / ".convert-dead", tmp_path / ".pack-running", tmp_path / "model-abc"
+    for folder in (old, recent, other):
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(b"x")
+    day_ago = time.time() - 2 * 86400
+    os.utime(old, (day_ago, day_ago))
+    os.utime(other, (day_ago, day_ago))
+    fresh = staging_dir(tmp_path, ".convert-")
+    assert not old.exists() and recent.exists() and other.exists() and fresh.is_dir()
+    assert fresh.stat().st_mode & 0o777 == 0o755

@@ -74,3 +74,14 @@ def test_bad_documents_are_input_errors(engine):
         engine.order_documents([{"text": "a segment"}, 5])
     with pytest.raises(InputError):
         engine.order_documents(5)
+
+
+def test_an_empty_document_is_not_counted_as_placed_from_the_cache(engine):
+    """It adds no chunk, so it seemed to continue whatever the document before it continued."""
+    engine.chat(as_parts([3], "First question?"), max_new_tokens=1)
+    message = as_parts([3, 1], "Second?")
+    message[1]["content"].insert(2, {"type": "document", "text": ""})
+    ordered, placed = engine.order_documents(message)
+    assert placed == 1
+    texts = [p["text"] for p in ordered[1]["content"] if p["type"] == "document"]
+    assert texts == [DOCS[3], DOCS[1], ""]

@@ -138,3 +138,26 @@ def test_repaired_kv_is_never_reported_as_exact(moved_engine):
     assert again.reused_exact <= first.reused_exact + 1      # the prefix before the first moved document
     assert again.reused_moved >= first.reused_moved
     engine.cache.check_invariants()
+
+
+def test_the_default_never_reuses_another_engines_repaired_kv_from_a_shared_disk(smol, cold_engine, tmp_path):
+    """A blend engine's repaired (inexact) chunks reach the disk folder a default engine reads too
+    (the same model, so the same fingerprint): the default engine used them as a prefix, and its
+    reply differed from no cache's."""
+    model, tokenizer = smol
+    docs = ["The Eiffel Tower is in Paris and was built in 1889 for the World's Fair. It is 330 metres tall.",
+            "Mount Fuji is the highest mountain in Japan at 3776 metres. It is an active volcano."]
+
+    def messages(order, question):
+        return [{"role": "user", "content": [{"type": "document", "text": docs[i]} for i in order]
+                 + [{"type": "text", "text": question}]}]
+    blend = Engine(model, tokenizer, moved_reuse="blend", disk_cache_dir=str(tmp_path))
+    blend.chat(messages([0, 1], "Which is taller?"), max_new_tokens=1)
+    assert blend.chat(messages([1, 0], "How tall is the tower?"), max_new_tokens=1).reused_moved > 0
+    blend.close()
+    default = Engine(model, tokenizer, disk_cache_dir=str(tmp_path))
+    prompt = messages([1, 0], "How tall is the tower? Answer in one sentence.")
+    reply = default.chat(prompt, max_new_tokens=12)
+    assert reply.reused_moved == 0
+    assert reply.token_ids == cold_engine.chat(prompt, max_new_tokens=12).token_ids
+    default.close()

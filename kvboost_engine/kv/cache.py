@@ -64,8 +64,10 @@ class ChunkCache:
         return self.budget.bytes_used
 
     # ---- lookup -------------------------------------------------------------------------
-    def match(self, tokens: list[int], limit: int, chunk_ends: list[int] = ()) -> Match:
-        """Longest cached prefix of `tokens[:limit]`, token-exact (memory, then disk)."""
+    def match(self, tokens: list[int], limit: int, chunk_ends: list[int] = (), exact_only: bool = False) -> Match:
+        """Longest cached prefix of `tokens[:limit]`, token-exact (memory, then disk). `exact_only`:
+        up to the first chunk whose KV is an approximation (moved and repaired, or int8 from the disk
+        tier: another engine's, sharing the folder), as an engine whose replies must equal no cache's."""
         with self._lock:
             self.counters.lookups += 1
             match, node, offset = self.tree.walk(tokens, limit)
@@ -75,7 +77,7 @@ class ChunkCache:
                 reach = min(limit, self.budget.fitting_end(offset, path))
                 probe = reach > offset
             if not probe:               # the table from the same walk, under the same lock
-                return self._settle_match(match, offset)
+                return self._settle_match(match, offset, tokens, exact_only)
         entries = self.restore.read(tokens, reach, chunk_ends, offset)         # file I/O without the lock
         with self._lock:
             match, node, offset = self.tree.walk(tokens, limit)
@@ -83,10 +85,14 @@ class ChunkCache:
                 path = [n for span in match.spans for n, _, _ in span.pieces]
                 self._adopt(entries, tokens, path, offset)
                 match, node, offset = self.tree.walk(tokens, limit)
-            return self._settle_match(match, offset)
+            return self._settle_match(match, offset, tokens, exact_only)
 
-    def _settle_match(self, match: Match, offset: int) -> Match:
-        """The match's block table (references for the caller) and the lookup counters (lock held)."""
+    def _settle_match(self, match: Match, offset: int, tokens: list[int], exact_only: bool) -> Match:
+        """The match (cut before its first inexact span where `exact_only`), its block table
+        (references for the caller) and the lookup counters (lock held)."""
+        cut = next((span.start for span in match.spans if not span.exact), offset) if exact_only else offset
+        if cut < offset:
+            match, _, offset = self.tree.walk(tokens, cut)
         match.table = self.tree.table_of(match.spans, 0, offset)
         self.counters.hits += bool(match.spans)
         self.counters.misses += not match.spans

@@ -76,12 +76,21 @@ def _greedy(documents: list, continues: Callable[[list], bool]) -> tuple[list, i
     """Documents that continue the cache first (each after those chosen before it), the rest in order."""
     chosen, remaining = [], list(documents)
     while remaining:
-        hit = next((d for d in remaining if continues(chosen + [d])), None)
+        # an empty document adds no chunk: it would "continue" whatever the one before it does
+        hit = next((d for d in remaining if _text_of(d) != "" and continues(chosen + [d])), None)
         if hit is None:
             break
         chosen.append(hit)
         remaining.remove(hit)
     return chosen + remaining, len(chosen)
+
+
+def _text_of(document) -> str | None:
+    """A document part's or segment's text (None where it has none to read)."""
+    if isinstance(document, str):
+        return document
+    text = document.get("text") if isinstance(document, dict) else getattr(document, "text", None)
+    return text if isinstance(text, str) else None
 
 
 def _continues_cache(trial: list[dict], encode, cached_prefix) -> bool:

@@ -118,7 +118,8 @@ def _assemble(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int, use
     """(sequence with the exact prefix and moved spans in place, the match, the moved spans)."""
     n = len(prompt)
     long_call = parts.adapter.regime_limit is not None and n > parts.adapter.regime_limit
-    match = parts.cache.match(prompt.token_ids, 0 if long_call else n - 1, prompt.chunk_ends)   # (longrope)
+    exact_only = parts.config.moved_reuse == "full" and not parts.config.disk_kv_int8     # replies as no cache's
+    match = parts.cache.match(prompt.token_ids, 0 if long_call else n - 1, prompt.chunk_ends, exact_only)
     moved, sequence, handed_over = [], None, False
     use_moved = use_moved and not long_call
     try:

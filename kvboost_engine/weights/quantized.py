@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import InputError
 from ..model.arch import ModelAdapter, decoder_layers
 from ..model.fingerprint import model_fingerprint
-from ..paths import build_lock, cache_home
+from ..paths import build_folder, build_lock, cache_home
 from .formats import (INT4_GROUP, Bf16Linear, FormatEmbedding, Int4Linear, Int8Linear, int4_supported, pack_int4,
                       quantize_int4_groups, quantize_int8_rows)
 from .memory import release_free_memory
@@ -191,8 +191,7 @@ def _fits(tensors: dict, module: nn.Module, fmt: str) -> bool:
 def _write_cache(path: Path, stored: dict, fmt: str) -> None:
     from safetensors.torch import save_file
     flat = {f"{name}.{key}": value.contiguous() for name, tensors in stored.items() for key, value in tensors.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=".convert-", suffix=".safetensors", dir=path.parent)
+    handle, staging = tempfile.mkstemp(prefix=".convert-", suffix=".safetensors", dir=build_folder(path.parent))
     os.close(handle)
     try:
         save_file(flat, staging, metadata={"format": CACHE_FORMAT, "weights": fmt,
