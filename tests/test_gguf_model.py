@@ -289,3 +289,18 @@ def test_hostile_headers_are_input_errors():
     with pytest.raises(InputError, match="general.alignment must be an integer"):
         read_header(header(text))
     assert read_header(header(u32("general.alignment", 64))).alignment == 64
+
+
+def test_tensors_the_model_would_not_read_are_refused_by_both_paths(tmp_path, monkeypatch):
+    """A llama GGUF with block biases (llama.cpp adds them) loaded without them, as stored and as
+    float32: other logits than llama.cpp's, without a word."""
+    from kvboost_engine.errors import UnsupportedModelError
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    path = tmp_path / "llama_bias.gguf"
+    write_model(path, "llama", Q.F32, embed=Q.F32, bias=True)
+    for load in (packed_gguf_dir, converted_gguf_dir):
+        with pytest.raises(UnsupportedModelError, match="attn_q.bias"):
+            load(path)
+    plain = tmp_path / "qwen2.gguf"                     # Qwen2's own q / k / v biases are read
+    write_model(plain, "qwen2", Q.F32, embed=Q.F32, bias=True)
+    assert converted_gguf_dir(plain).is_dir()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..errors import UnsupportedModelError
 from .gguf_file import GGUFFile
 from .gguf_rope import apply_gguf_rope
 
@@ -20,6 +21,7 @@ def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     file = file or GGUFFile(gguf_path)
+    check_tensors_read(file, config)
     apply_gguf_rope(config, file)
     table = file.tensors.get("token_embd.weight")
     if table is not None and len(table.shape) == 2 and config.vocab_size != table.shape[0]:
@@ -29,6 +31,38 @@ def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
     if config.model_type == "gemma3_text":
         config.query_pre_attn_scalar = gemma3_query_scalar(config)
     return config
+
+
+BIASES_READ = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}   # the block biases each model has
+
+
+def check_tensors_read(file: GGUFFile, config) -> None:
+    """Refuse a file whose tensors the model built from its config would not read, or read as random
+    initial values (both paths, packed and float32): a mixture of experts (Mixtral's experts and
+    router), block biases the architecture has none of (llama.cpp adds them where present), Qwen2's
+    q / k / v biases missing, a Phi-3 rotating part of each head (rope.dimension_count, which
+    transformers' reader drops)."""
+    arch, names = file.architecture, file.tensors
+    experts = file.field(f"{arch}.expert_count")
+    moe = next((n for n in names if "_exps." in n or ".ffn_gate_inp." in n), None)
+    if (isinstance(experts, int) and experts > 0) or moe is not None:
+        raise UnsupportedModelError(f"{file.path.name}: a mixture of experts ({moe or f'{experts} experts'}) is not "
+                                    "supported")
+    read = BIASES_READ.get(config.model_type, ())
+    extra = next((n for n in names if n.startswith("blk.") and n.endswith(".bias") and n.split(".", 2)[2] not in read),
+                 None)
+    if extra is not None:
+        raise UnsupportedModelError(f"{file.path.name}: tensor {extra} is a bias a {config.model_type} model does not "
+                                    "have (it would be dropped)")
+    for i in range(config.num_hidden_layers):
+        missing = next((f"blk.{i}.{b}" for b in read if f"blk.{i}.{b}" not in names), None)
+        if missing is not None:
+            raise UnsupportedModelError(f"{file.path.name} lacks {missing}, which a {config.model_type} model has")
+    rot = file.field(f"{arch}.rope.dimension_count")
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if config.model_type == "phi3" and isinstance(rot, int) and rot != head:
+        raise UnsupportedModelError(f"{file.path.name}: rotary over {rot} of each head's {head} dimensions "
+                                    "(partial rotary from a GGUF) is not supported")
 
 
 def gemma3_query_scalar(config) -> int:
