@@ -254,3 +254,32 @@ def test_a_yarn_rotary_is_tabled_for_the_native_step(tmp_path):
     assert not torch.equal(direct[-1][0], torch.cos(torch.zeros_like(direct[-1][0])))
     decoder.close()
     native_tracks_torch(model, [256] + [72, 101, 108, 108, 111, 32] * 40, steps=4, capacity=512)
+
+
+def test_phi3_longrope_keeps_the_files_original_window_when_read_back(tmp_path):
+    """Phi3Config's own original_max_position_embeddings (4096 by default) won over rope_parameters'
+    when the converted folder's config.json was read back: the file said 8192."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from transformers import AutoConfig
+    from kvboost_engine.model import compat
+    from kvboost_engine.weights.gguf_file import GGUFFile
+    from kvboost_engine.weights.gguf_rope import apply_gguf_rope
+    path = tmp_path / "phi3.gguf"
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_string("phi3.rope.scaling.type", "longrope")
+    writer.add_rope_scaling_attn_factors(1.19)
+    writer.add_rope_scaling_orig_ctx_len(8192)
+    writer.add_tensor("rope_factors_long.weight", np.linspace(1, 30, 8).astype(np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.linspace(1, 2, 8).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                  num_hidden_layers=1, intermediate_size=128, vocab_size=64,
+                                  max_position_embeddings=131072)
+    apply_gguf_rope(config, GGUFFile(path))
+    config.save_pretrained(tmp_path / "saved")
+    again = compat.fix_loaded_config(AutoConfig.from_pretrained(tmp_path / "saved"))
+    assert compat.rope_parameters(again)["original_max_position_embeddings"] == 8192

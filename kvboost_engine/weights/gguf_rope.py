@@ -47,6 +47,9 @@ def apply_gguf_rope(config, file: GGUFFile) -> None:
         params = scaling
     if compat.V5:
         config.rope_parameters = params
+        original = scaling.get("original_max_position_embeddings")
+        if original is not None and hasattr(config, "original_max_position_embeddings"):
+            config.original_max_position_embeddings = original    # Phi-3's own field: read back over rope_parameters'
         return
     for key, value in compat.config_settings({"rope_parameters": params}, config.model_type).items():
         setattr(config, key, value)
