@@ -78,8 +78,8 @@ class EngineConfig:
         no PyTorch op per norm or projection), for float32 models, models converted with
         weights="int4" and GGUF files as stored (Llama, Mistral, Qwen2, Qwen3, Gemma 3 layouts, on
         CPU). None (default): on where it can run (x86-64 Linux, AVX2 with FMA and F16C, a C++
-        compiler for the one-time build), else the PyTorch layer loop; True: required (InputError with the reason where it
-        cannot run); False: off. In float32 it is the same arithmetic in another order of
+        compiler for the one-time build), else the PyTorch layer loop; True: required (InputError
+        with the reason where it cannot run); False: off. In float32 it is the same arithmetic in another order of
         additions; with int4 it quantizes activations to int8 per block of 32, so its replies can
         differ from the PyTorch int4 path's. Engine.stats() says whether it runs and why not.
     max_running: most requests decoding or prefilling at once in the engine's batch (continuous
