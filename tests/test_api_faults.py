@@ -11,7 +11,6 @@ import http.server
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -175,9 +174,16 @@ def test_a_server_refuses_a_port_another_process_holds(tmp_path):
             servers._start("llama-server", ["sleep", "30"], port, {}, 5, tmp_path)
 
 
-def test_the_llama_server_home_follows_kvboost_home():
-    assert servers.LLAMA_HOME == cache_home() / "llama-server"
-    assert Path(servers.llama_binary()).is_absolute() or "KVBOOST_LLAMA_SERVER" in __import__("os").environ
+def test_the_llama_server_home_follows_kvboost_home(tmp_path, monkeypatch):
+    """An empty $KVBOOST_HOME meant ./llama-server, where .ci/remote.sh never builds it."""
+    import importlib
+    monkeypatch.setenv("KVBOOST_HOME", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        assert importlib.reload(servers).LLAMA_HOME == tmp_path / "kvboost" / "llama-server"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(servers)
 
 
 def test_staging_a_killed_build_left_goes_at_the_next_build(tmp_path):
