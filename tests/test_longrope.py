@@ -59,3 +59,11 @@ def test_no_kv_crosses_between_the_short_and_the_long_regime(tokenizer, model_ty
     assert torch.equal(warm.next_token_logits(long), cold.next_token_logits(long))     # both computed whole
     got, want = warm.next_token_logits(short), cold.next_token_logits(short)        # reused, as before
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_long_prompt_cannot_be_pinned(tokenizer):
+    """It is not cached (long factors): warm(pin=True) pinned nothing and reported a count."""
+    from kvboost_engine import InputError
+    engine = Engine(_model("llama"), tokenizer, cache_bytes=1 << 26)
+    with pytest.raises(InputError, match="cannot be pinned"):
+        engine.warm(TEXT * 4, pin=True)

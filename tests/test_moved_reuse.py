@@ -160,4 +160,7 @@ def test_the_default_never_reuses_another_engines_repaired_kv_from_a_shared_disk
     reply = default.chat(prompt, max_new_tokens=12)
     assert reply.reused_moved == 0
     assert reply.token_ids == cold_engine.chat(prompt, max_new_tokens=12).token_ids
+    again = default.chat(prompt, max_new_tokens=12)        # its own exact KV took the place: reused now
+    assert again.reused_moved == 0 and again.reused_exact >= reply.prompt_tokens - 16
+    assert again.token_ids == reply.token_ids
     default.close()

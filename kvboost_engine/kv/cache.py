@@ -90,14 +90,26 @@ class ChunkCache:
     def _settle_match(self, match: Match, offset: int, tokens: list[int], exact_only: bool) -> Match:
         """The match (cut before its first inexact span where `exact_only`), its block table
         (references for the caller) and the lookup counters (lock held)."""
-        cut = next((span.start for span in match.spans if not span.exact), offset) if exact_only else offset
-        if cut < offset:
-            match, _, offset = self.tree.walk(tokens, cut)
+        inexact = next((span for span in match.spans if not span.exact), None) if exact_only else None
+        if inexact is not None and inexact.start < offset:
+            self._drop_subtree(inexact.pieces[0][0])       # of no use to this engine: its own exact KV
+            match, _, offset = self.tree.walk(tokens, inexact.start)   # for these tokens can take the place
         match.table = self.tree.table_of(match.spans, 0, offset)
         self.counters.hits += bool(match.spans)
         self.counters.misses += not match.spans
         self.counters.hit_tokens += offset
         return match
+
+    def _drop_subtree(self, node) -> None:
+        """Evict `node` and what hangs below it, leaves first (pinned chunks and their ancestors stay)."""
+        order, stack = [], [node]
+        while stack:
+            current = stack.pop()
+            order.append(current)
+            stack.extend(current.children.values())
+        for current in reversed(order):                 # every descendant before its ancestors
+            if current.alive and not current.children and not current.pinned:
+                self.budget.evict(current)
 
     def cached_prefix(self, tokens: list[int], limit: int) -> int:
         """How many of tokens[:limit] are cached as an exact prefix in memory (a peek: no counters,

@@ -117,16 +117,16 @@ def compiler() -> str | None:
     none exists."""
     cxx = os.environ.get("CXX", "").strip()
     if cxx:
+        if shutil.which(cxx):                  # a whole path, spaces and all (conda's)
+            return shlex.quote(shutil.which(cxx))
         try:
             words = shlex.split(cxx)
         except ValueError:
             return None
-        found = shutil.which(words[0])
+        found = shutil.which(words[0]) if words else None
         return shlex.join([found, *words[1:]]) if found else None
-    for name in ("g++", "c++"):
-        if shutil.which(name):
-            return shutil.which(name)
-    return None
+    found = shutil.which("g++") or shutil.which("c++")
+    return shlex.quote(found) if found else None
 
 
 def runs_here() -> bool:

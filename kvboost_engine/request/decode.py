@@ -67,6 +67,9 @@ def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto
     n = len(prompt)
     limit = parts.prefill.adapter.regime_limit
     if limit is not None and n > limit:     # longrope's long factors: KV no shorter prompt computes alike
+        if pin:
+            raise InputError(f"a prompt of {n} tokens, past the model's original window of {limit} (longrope: "
+                             "computed with its long factors), is not cached: it cannot be pinned")
         return 0
     chunk = parts.prefill.config.chunk_tokens
     tokens = prompt.token_ids + list(extra_tokens)

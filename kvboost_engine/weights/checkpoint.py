@@ -35,6 +35,8 @@ def read_header(path: Path) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the offset where its data begins."""
     with open(path, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
+        if length > os.fstat(handle.fileno()).st_size - 8:          # garbage: not a length to read
+            raise ValueError(f"{path}: a header of {length} bytes in a file of {os.fstat(handle.fileno()).st_size}")
         header = json.loads(handle.read(length))
     return header, 8 + length
 
