@@ -190,6 +190,11 @@ LOAD_OPTIONS = ("device", "dtype", "weights", "resident_layers", "resident_bytes
                 "awq_kernel")
 
 
+def closest_name(name: str, names) -> str | None:
+    """The name in `names` closest to a misspelt `name` (difflib, 0.6 at least), or None."""
+    return next(iter(difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)), None)
+
+
 def engine_config(config, options: dict) -> EngineConfig:
     """The EngineConfig an Engine runs with: `config`, or one built from `options`. InputError for
     both at once (the options were ignored), a `config` that is not an EngineConfig, and an option
@@ -205,6 +210,6 @@ def engine_config(config, options: dict) -> EngineConfig:
         if name in LOAD_OPTIONS:
             raise InputError(f"{name!r} chooses how the model loads: Engine.from_pretrained(..., {name}=...) takes it")
         if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
-            raise InputError(f"unknown engine option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            close = closest_name(name, fields)
+            raise InputError(f"unknown engine option {name!r}" + (f"; did you mean {close!r}?" if close else ""))
     return EngineConfig(**options)

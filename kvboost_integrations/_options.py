@@ -8,10 +8,9 @@ the closest match (`model_id` -> did you mean `model`?), never silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 from kvboost_engine import EngineConfig, InputError
-from kvboost_engine.config import LOAD_OPTIONS     # Engine.from_pretrained's options beyond EngineConfig's fields
+from kvboost_engine.config import LOAD_OPTIONS, closest_name   # LOAD_OPTIONS: from_pretrained's beyond EngineConfig's
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)) + LOAD_OPTIONS
 # Names other wrappers use for what we call otherwise.
 ALIASES = {"model_id": "model", "model_name": "model", "model_path": "model", "tokenizer_name": "model",
@@ -25,7 +24,7 @@ def check_arguments(owner: str, given, accepted) -> None:
         if name in accepted:
             continue
         hint = ALIASES.get(name) if ALIASES.get(name) in accepted else None
-        hint = hint or next(iter(difflib.get_close_matches(name, sorted(accepted), n=1, cutoff=0.6)), None)
+        hint = hint or closest_name(name, accepted)
         suggestion = f"; did you mean {hint!r}?" if hint else ""
         raise ValueError(f"{owner}() got an unexpected argument {name!r}{suggestion} "
                          f"Accepted: {', '.join(sorted(a for a in accepted if not a.startswith('_')))}")
@@ -40,8 +39,8 @@ def engine_options(engine_kwargs: dict | None = None, **named) -> dict:
     extra = dict(engine_kwargs or {})
     unknown = [name for name in extra if name not in ENGINE_OPTIONS]
     if unknown:
-        close = {n: difflib.get_close_matches(n, ENGINE_OPTIONS, n=1, cutoff=0.6) for n in unknown}
-        hints = "; ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in close.items())
+        close = {n: closest_name(n, ENGINE_OPTIONS) for n in unknown}
+        hints = "; ".join(f"{n!r}" + (f" (did you mean {c!r}?)" if c else "") for n, c in close.items())
         raise InputError(f"unknown engine option(s) in engine_kwargs: {hints}. Accepted: {', '.join(ENGINE_OPTIONS)}")
     doubled = sorted(set(extra) & {k for k, v in named.items() if v is not None})
     if doubled:
