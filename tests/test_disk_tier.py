@@ -293,6 +293,61 @@ def test_concurrent_puts_and_gets(tmp_path):
     assert stats["hits"] > 0 and stats["corrupt_files_deleted"] == 0
 
 
+def _accounted(tier: DiskTier) -> bool:
+    return tier.stats()["bytes_used"] == sum(p.stat().st_size for p in files(tier))
+
+
+def test_a_miss_racing_a_put_of_the_same_key_keeps_it_counted(tier, monkeypatch):
+    """get() finds no file, then another thread's put() of that key completes before the miss is
+    counted: the fresh file stays in the index (CI saw a file on disk the budget did not count)."""
+    import kvboost_engine.kv.disk.tier as tier_module
+    real = tier_module.open_regular
+
+    def open_after_a_put(path):
+        monkeypatch.setattr(tier_module, "open_regular", real)
+        put(tier, 1)                                 # the other thread's whole put
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(tier_module, "open_regular", open_after_a_put)
+    assert tier.get(key(1)) is None
+    assert tier.stats()["entries"] == 1 and _accounted(tier)
+
+
+def test_a_bad_file_replaced_by_a_put_keeps_the_new_one_counted(tier, monkeypatch):
+    import kvboost_engine.kv.disk.tier as tier_module
+    from kvboost_engine.kv.disk.fileformat import CorruptEntry
+    path = tier._path(key(1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size_of())               # another process's damaged file
+    real = tier_module.read_entry
+
+    def read_after_a_put(*args):
+        monkeypatch.setattr(tier_module, "read_entry", real)
+        put(tier, 1)                                 # renamed over the bad file
+        raise CorruptEntry("bad checksum")
+
+    monkeypatch.setattr(tier_module, "read_entry", read_after_a_put)
+    assert tier.get(key(1)) is None
+    assert tier.stats()["entries"] == 1 and _accounted(tier)
+    assert_same(tier.get(key(1)), entry(1))
+
+
+def test_contains_does_not_count_a_file_evicted_while_it_was_checked(tmp_path, monkeypatch):
+    import kvboost_engine.kv.disk.tier as tier_module
+    tier = DiskTier(tmp_path, 4 * size_of(), FP, fsync=False)
+    other = DiskTier(tmp_path, 4 * size_of(), FP, fsync=False)
+    put(other, 1)                                    # another process's file
+    real = tier_module.check_header
+
+    def check_then_evicted(fd, *args):
+        real(fd, *args)
+        os.unlink(tier._path(key(1)))                # the other process evicts it
+
+    monkeypatch.setattr(tier_module, "check_header", check_then_evicted)
+    assert tier.contains(key(1))
+    assert tier.stats()["entries"] == 0 and _accounted(tier)
+
+
 def _same(got, want) -> bool:
     return got[:2] == want[:2] and got[3] == want[3] and torch.equal(got[2], want[2])
 

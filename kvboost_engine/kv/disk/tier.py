@@ -202,11 +202,12 @@ class DiskTier:
         except (CorruptEntry, OSError) as error:
             self._discard(key, path, error, fd, count_miss=False)
             return False
+        else:
+            with self._lock:                        # st_nlink 0: evicted since it was opened
+                if key not in self._index and key not in self._writing and os.fstat(fd).st_nlink:
+                    self._adopt(key, info.st_size)
         finally:
             os.close(fd)
-        with self._lock:
-            if key not in self._index:
-                self._adopt(key, info.st_size)
         return True
 
     def delete(self, key: bytes) -> bool:
@@ -250,7 +251,8 @@ class DiskTier:
         with self._lock:
             self._counters.misses += 1
             if isinstance(error, FileNotFoundError):
-                if key not in self._writing:         # evicted by another process
+                # evicted by another process; not if a put of this process wrote it meanwhile
+                if key not in self._writing and not os.path.lexists(self._path(key)):
                     self._index.remove(key)
             else:
                 self._counters.read_errors += 1
@@ -265,11 +267,14 @@ class DiskTier:
             self._counters.misses += count_miss
             if key in self._writing:
                 return
-            self._index.remove(key)
             if self.read_only:
+                self._index.remove(key)
                 self._unreadable.add(key)
-            elif still_names(path, fd) and unlink(path):
-                self._counters.corrupt_files_deleted += 1
+            elif still_names(path, fd):
+                self._index.remove(key)
+                self._counters.corrupt_files_deleted += unlink(path)
+            elif not os.path.lexists(path):          # a fresh file there stays counted
+                self._index.remove(key)
 
     def _adopt(self, key: bytes, size: int) -> None:
         """Account a file another process wrote; evicts older ones if it breaks the budget.
