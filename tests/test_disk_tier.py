@@ -293,6 +293,19 @@ def test_concurrent_puts_and_gets(tmp_path):
     assert stats["hits"] > 0 and stats["corrupt_files_deleted"] == 0
 
 
+def test_contains_exact_counts_only_an_exact_entry(tmp_path):
+    tier = DiskTier(tmp_path, 8 * size_of(), FP, fsync=False)
+    start, tokens, kv, _ = entry(1)
+    tier.put(key(1), start, tokens, kv, False)
+    assert tier.contains(key(1)) and not tier.contains(key(1), exact=True)
+    assert not DiskTier(tmp_path, 8 * size_of(), FP).contains(key(1), exact=True)   # another process
+    tier.put(key(1), start, tokens, kv, True)                                        # replaced in place
+    assert tier.contains(key(1), exact=True) and tier.get(key(1))[3] is True and _accounted(tier)
+    tier.put_async(key(2), start, tokens, kv, False)
+    assert tier.contains(key(2)) and not tier.contains(key(2), exact=True)
+    tier.close()
+
+
 def _accounted(tier: DiskTier) -> bool:
     return tier.stats()["bytes_used"] == sum(p.stat().st_size for p in files(tier))
 
@@ -340,8 +353,9 @@ def test_contains_does_not_count_a_file_evicted_while_it_was_checked(tmp_path, m
     real = tier_module.check_header
 
     def check_then_evicted(fd, *args):
-        real(fd, *args)
+        header = real(fd, *args)
         os.unlink(tier._path(key(1)))                # the other process evicts it
+        return header
 
     monkeypatch.setattr(tier_module, "check_header", check_then_evicted)
     assert tier.contains(key(1))

@@ -164,3 +164,8 @@ def test_the_default_never_reuses_another_engines_repaired_kv_from_a_shared_disk
     assert again.reused_moved == 0 and again.reused_exact >= reply.prompt_tokens - 16
     assert again.token_ids == reply.token_ids
     default.close()
+    restarted = Engine(model, tokenizer, disk_cache_dir=str(tmp_path))   # its exact KV replaced the file
+    after = restarted.chat(prompt, max_new_tokens=12)
+    assert after.reused_moved == 0 and after.reused_exact >= reply.prompt_tokens - 16
+    assert after.token_ids == reply.token_ids
+    restarted.close()

@@ -44,12 +44,13 @@ class DiskRestore:
 
     def pending(self, nodes: list[Node]) -> list[PendingWrite]:
         """New nodes not yet on disk, their blocks held until written (call with the cache lock).
-        None for a read-only disk tier (it is only read)."""
+        None for a read-only disk tier (it is only read). An exact node replaces an approximate
+        entry of its key (another engine's repaired chunk, which this engine cut off at a match)."""
         if self.disk.read_only:
             return []
         pending = []
         for node in nodes:
-            if not self.disk.contains(node.key):
+            if not self.disk.contains(node.key, exact=node.exact):
                 self.pool.retain(node.blocks)
                 table = [None] * node.first_block + node.blocks
                 pending.append(PendingWrite(node.key, node.start, node.tokens, node.exact, table))

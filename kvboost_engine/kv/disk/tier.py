@@ -179,13 +179,15 @@ class DiskTier:
             stamp(path)
         return entry.start, entry.tokens, entry.kv, entry.exact
 
-    def contains(self, key: bytes) -> bool:
-        """Whether `key` is queued or on disk (a file written by another process counts)."""
+    def contains(self, key: bytes, exact: bool = False) -> bool:
+        """Whether `key` is queued or on disk (a file written by another process counts). `exact`:
+        only an entry stored as exact counts (an engine's exact KV replaces an approximate one)."""
         _check_key(key)
-        if self._writer.lookup(key) is not None:
-            return True
+        queued = self._writer.lookup(key)
+        if queued is not None:
+            return queued[3] or not exact
         with self._lock:
-            if key in self._index:
+            if key in self._index and not exact:
                 return True
         path = self._path(key)
         if key in self._unreadable:
@@ -198,7 +200,7 @@ class DiskTier:
         except OSError:
             return False
         try:
-            check_header(fd, info.st_size, self.fingerprint, key)
+            fields = check_header(fd, info.st_size, self.fingerprint, key)[1]
         except (CorruptEntry, OSError) as error:
             self._discard(key, path, error, fd, count_miss=False)
             return False
@@ -208,7 +210,7 @@ class DiskTier:
                     self._adopt(key, info.st_size)
         finally:
             os.close(fd)
-        return True
+        return bool(fields[4]) or not exact
 
     def delete(self, key: bytes) -> bool:
         """Remove `key` (queued write or file); True if there was something to remove."""
