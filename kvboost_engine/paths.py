@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -58,6 +59,27 @@ def prune_staging(parent: Path, older_than_s: float = STALE_STAGING_S) -> list[s
                 entry.unlink()
             removed.append(entry.name)
         except OSError:
+            continue
+    return removed
+
+
+def drop_superseded(target: Path, source: Path, marker: str, suffix: str = "") -> list[str]:
+    """Delete the other finished builds beside `target` of the same `source` (the file or folder
+    its `marker` file names by absolute path) whose names differ from `target`'s only in the
+    16-digit identity hash before `suffix`: built by an earlier format version, or before the
+    source changed (size, mtime). Nothing loads them again and each is about the source's size.
+    A process still mapping one keeps its pages until it exits. The names removed."""
+    stem, source = target.name[:len(target.name) - len(suffix) - 16], source.resolve()
+    pattern, removed = re.compile(re.escape(stem) + "[0-9a-f]{16}" + re.escape(suffix)), []
+    for other in target.parent.iterdir():
+        try:
+            if other == target or not pattern.fullmatch(other.name) or not (other / marker).is_file():
+                continue
+            named = Path((other / marker).read_text())
+            if named.is_absolute() and named.resolve() == source:
+                shutil.rmtree(other)
+                removed.append(other.name)
+        except (OSError, ValueError):           # removed by another process first; an odd marker
             continue
     return removed
 

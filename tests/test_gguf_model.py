@@ -136,6 +136,19 @@ def test_a_new_pack_removes_the_superseded_packs_of_its_file(tmp_path, monkeypat
     assert packed_gguf_dir(path) != new and not new.exists()
 
 
+def test_a_new_conversion_removes_the_superseded_conversion_of_its_file(tmp_path):
+    """The float conversion (one per path, size and mtime: ~540 MB for the default model) went
+    on disk for good each time its file changed."""
+    path, other = tmp_path / "m.gguf", tmp_path / "sub" / "m.gguf"     # another file of the same name
+    other.parent.mkdir()
+    write_model(path, "llama", Q.Q4_1, embed=Q.Q8_0)
+    write_model(other, "llama", Q.Q4_1, embed=Q.Q8_0)
+    old, kept = converted_gguf_dir(path), converted_gguf_dir(other)
+    os.utime(path, ns=(1, 1))
+    new = converted_gguf_dir(path)
+    assert new != old and not old.exists() and new.is_dir() and kept.is_dir()
+
+
 def test_engine_loads_a_gguf_as_stored_and_decodes(tmp_path):
     path = tmp_path / "e.gguf"
     write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)

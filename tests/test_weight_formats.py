@@ -1,6 +1,8 @@
 """weights=: the bf16/int8/int4 CPU formats (kernels, conversion cache, closeness to fp32, errors)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -196,6 +198,20 @@ def test_int_formats_convert_tensor_by_tensor_and_reload_without_the_float_file(
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_a_new_conversion_removes_the_superseded_one_of_its_checkpoint(tiny_dir):
+    """The int4 / int8 conversion of a checkpoint (keyed by its files' sizes and mtimes) went on
+    disk for good each time the checkpoint changed."""
+    from kvboost_engine.weights.hf_pack import _target
+    load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int4")
+    load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int8")
+    old, int8 = _target(tiny_dir, "int4"), _target(tiny_dir, "int8")
+    os.utime(next(tiny_dir.glob("*.safetensors")), ns=(1, 1))          # the checkpoint changed
+    load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="int4")
+    new = _target(tiny_dir, "int4")
+    assert new != old and new.is_dir() and not old.exists()
+    assert int8.is_dir()                                                # another format's conversion stays
 
 
 def test_a_load_that_cannot_fit_is_refused_up_front_with_the_figures(tiny_dir, monkeypatch):

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.building import building_model
-from ..paths import build_lock, cache_home, staging_dir
+from ..paths import build_lock, cache_home, drop_superseded, staging_dir
 from .gguf_blocks import dequantize
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, check_gguf
@@ -97,23 +97,9 @@ def packed_gguf_dir(gguf_path: Path) -> Path:
         with build_lock(target):
             if not is_packed_dir(target):
                 _build(gguf_path, target)
-                _drop_superseded(target, gguf_path)
+                for name in drop_superseded(target, gguf_path, COMPLETE):
+                    log.info("removed %s, a superseded pack of %s", name, gguf_path)
     return target
-
-
-def _drop_superseded(target: Path, gguf_path: Path) -> None:
-    """Delete the other packed dirs of the same file (packed by an earlier PACK_VERSION, or before the
-    file changed): nothing loads them again, and each is about the file's size. A process still
-    mapping one keeps its pages until it exits (a deleted file stays readable while mapped)."""
-    source, prefix = gguf_path.resolve(), f"{gguf_path.stem}-"
-    for other in target.parent.iterdir():
-        try:
-            if other != target and other.name.startswith(prefix) and is_packed_dir(other) \
-                    and Path((other / COMPLETE).read_text()).resolve() == source:
-                shutil.rmtree(other, ignore_errors=True)
-                log.info("removed %s, a superseded pack of %s", other, gguf_path)
-        except OSError:                                 # another process removed it first
-            continue
 
 
 def skeleton(config) -> nn.Module:
@@ -150,7 +136,7 @@ def _build(gguf_path: Path, target: Path) -> None:
     arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))
     model = skeleton(config)
     write_packed_dir(target, lambda writer: _write_tensors(model, file, arch, layers, config, writer),
-                     config, tokenizer, {"gguf": str(gguf_path)})
+                     config, tokenizer, {"gguf": str(gguf_path.resolve())})
     log.info("repacked %s into %s in %.1f s", gguf_path, target, time.perf_counter() - started)
 
 

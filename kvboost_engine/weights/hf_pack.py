@@ -27,10 +27,10 @@ import xxhash
 from torch import nn
 
 from ..errors import InputError
-from ..paths import build_lock, cache_home
+from ..paths import build_lock, cache_home, drop_superseded
 from .formats import INT4_GROUP, quantize_int4_groups, quantize_int8_rows
 from .gguf_repack import fits_packed
-from .gguf_model import DATA, EMBEDDING, HEAD, is_packed_dir, load_packed_model, skeleton, write_packed_dir
+from .gguf_model import COMPLETE, DATA, EMBEDDING, HEAD, is_packed_dir, load_packed_model, skeleton, write_packed_dir
 from .memory import check_fits
 from .pack_file import PackWriter
 from .safetensors_file import SafetensorsFile
@@ -138,13 +138,15 @@ def packed_hf_dir(source: Path, fmt: str, config, tokenizer) -> Path | None:
     with build_lock(target):
         if not is_packed_dir(target):
             _build(source, target, model, stored, plan, config, tokenizer, fmt)
+            for name in drop_superseded(target, source, COMPLETE):
+                log.info("removed %s, a superseded conversion of %s", name, source)
     return target
 
 
 def _build(source, target, model, stored, plan, config, tokenizer, fmt) -> None:
     started = time.perf_counter()
     write_packed_dir(target, lambda writer: _write(model, stored, plan, writer), config, tokenizer,
-                     {"source": str(source), "format": fmt})
+                     {"source": str(source.resolve()), "format": fmt})
     log.info("converted %s to %s in %.1f s", source, fmt, time.perf_counter() - started)
 
 
