@@ -54,6 +54,18 @@ def test_packed_model_equals_transformers_dequantized(tmp_path, arch, qtype):
     assert torch.equal(ours, reference)
 
 
+def test_a_qwen3_head_dim_other_than_128_is_read(tmp_path, monkeypatch):
+    """transformers' GGUF reader drops Qwen3's attention.key_length and keeps Qwen3Config's 128:
+    another head_dim failed to load (a raw RuntimeError on the float32 path)."""
+    import gguf_models
+    monkeypatch.setitem(gguf_models.HEAD_DIM, "qwen3", 32)
+    path = tmp_path / "q.gguf"
+    write_model(path, "qwen3", Q.Q4_0, embed=Q.Q8_0)
+    packed, ours, reference = _both(path)
+    assert packed.config.head_dim == 32
+    assert torch.equal(ours, reference)
+
+
 def test_untied_head_and_k_quants(tmp_path):
     path = tmp_path / "k.gguf"
     write_model(path, "llama", Q.Q4_K, head=Q.Q5_K, embed=Q.Q8_0, tied=False)

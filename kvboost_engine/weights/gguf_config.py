@@ -16,13 +16,16 @@ log = logging.getLogger(__name__)
 
 def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
     """The config transformers reads from a GGUF, with what its reader drops put back: the rotary
-    scaling (gguf_rope.py) and Gemma 3's attention scale (gemma3_query_scalar). file: the GGUF
+    scaling (gguf_rope.py), Qwen3's head_dim and Gemma 3's attention scale (gemma3_query_scalar). file: the GGUF
     already opened, if it is."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     file = file or GGUFFile(gguf_path)
     check_tensors_read(file, config)
     apply_gguf_rope(config, file)
+    key_length = file.field(f"{file.architecture}.attention.key_length")
+    if config.model_type == "qwen3" and isinstance(key_length, int):    # transformers' reader keeps 128
+        config.head_dim = key_length
     table = file.tensors.get("token_embd.weight")
     if table is not None and len(table.shape) == 2 and config.vocab_size != table.shape[0]:
         log.warning("%s: vocab_size %s in its metadata, %s rows in its embedding table: the table's count is used",
