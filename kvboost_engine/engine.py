@@ -1,7 +1,6 @@
 """The public engine: load a model once, then chat/generate with KV reuse across requests."""
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
 import threading
@@ -81,7 +80,7 @@ class Engine:
                                     queue_timeout_s=c.queue_timeout_s)
         self._counters = RequestCounters()
         self._owns_model = False
-        self._closed = False
+        self._closed, self._closing = False, threading.RLock()
         release_thread_pool()       # this thread loaded the model; its idle OpenMP workers would slow the scheduler's
 
     @classmethod
@@ -296,16 +295,17 @@ class Engine:
     def close(self) -> None:
         """Finish pending disk writes and release what the engine opened: the disk tier's writer,
         and the layer streamer of a model it loaded itself. Later requests raise KVBoostError."""
-        if self._closed:
-            return
-        self._closed = True
-        self._scheduler.close()
-        if self.disk is not None:
-            self.disk.close()
-            atexit.unregister(self._exit_flush)
-        streamer = getattr(self.model, "kvboost_streamer", None)
-        if self._owns_model and streamer is not None:
-            streamer.close()
+        with self._closing:                 # a second caller returns once the first is done (writes flushed)
+            if self._closed:
+                return
+            self._closed = True
+            self._scheduler.close()
+            if self.disk is not None:
+                self.disk.close()
+                self._exit_flush()
+            streamer = getattr(self.model, "kvboost_streamer", None)
+            if self._owns_model and streamer is not None:
+                streamer.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -50,13 +50,16 @@ class FirstTokenEvent:
 
 
 class Subscription:
-    """Returned by `Instruments.subscribe`; `close()` (or leaving a `with` block) unsubscribes."""
+    """Returned by `Instruments.subscribe`; `close()` (or leaving a `with` block) unsubscribes: no
+    event is delivered to it after close() returns, but for one whose delivery had already begun."""
 
     def __init__(self, instruments: "Instruments", callback: Callable):
         self._instruments = instruments
         self.callback = callback
+        self.open = True
 
     def close(self) -> None:
+        self.open = False
         self._instruments._remove(self)
 
     def __enter__(self) -> "Subscription":
@@ -70,7 +73,6 @@ class Instruments:
     """The subscribers of one engine."""
 
     def __init__(self):
-        self._callbacks: tuple[Callable, ...] = ()
         self._subscriptions: tuple[Subscription, ...] = ()     # one per subscribe(), the same callback or not
         self._lock = threading.Lock()
 
@@ -81,22 +83,22 @@ class Instruments:
         subscription = Subscription(self, callback)
         with self._lock:
             self._subscriptions = (*self._subscriptions, subscription)
-            self._callbacks = tuple(s.callback for s in self._subscriptions)
         return subscription
 
     def _remove(self, subscription: Subscription) -> None:
         """End this one subscription (another of the same callback goes on)."""
         with self._lock:
             self._subscriptions = tuple(s for s in self._subscriptions if s is not subscription)
-            self._callbacks = tuple(s.callback for s in self._subscriptions)
 
     @property
     def active(self) -> bool:
-        return bool(self._callbacks)
+        return bool(self._subscriptions)
 
     def emit(self, event) -> None:
-        for callback in self._callbacks:
+        for subscription in self._subscriptions:
+            if not subscription.open:       # closed while an earlier callback of this event ran
+                continue
             try:
-                callback(event)
+                subscription.callback(event)
             except Exception:  # noqa: BLE001 - an observer must never break a request
-                log.exception("kvboost instrumentation callback %r failed", callback)
+                log.exception("kvboost instrumentation callback %r failed", subscription.callback)

@@ -1,11 +1,9 @@
 """Building an engine's parts from a model and its options (the engine itself only wires them up)."""
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import tempfile
-import weakref
 
 import torch
 import xxhash
@@ -15,6 +13,7 @@ from .errors import BudgetError, InputError
 from .kv.codec import Int8Codec
 from .kv.pool import BlockPool
 from .model.arch import ModelAdapter
+from .request.exit import flushed_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +122,10 @@ def disk_codec_for(config: EngineConfig, adapter: ModelAdapter):
 
 
 def flush_at_exit(tier):
-    """Register a flush of the tier's pending writes at interpreter exit; returns the registered
-    function (for `atexit.unregister` when the engine closes first)."""
-    ref = weakref.ref(tier)
-
-    def flush() -> None:
-        alive = ref()
-        if alive is not None:
-            alive.flush(timeout=60)
-
-    atexit.register(flush)
-    return flush
+    """Flush the tier's pending writes at interpreter exit, after the schedulers stop (request/exit.py:
+    their last steps store chunks too); returns the function that cancels it (the engine closed first)."""
+    flushed_at_exit.add(tier)
+    return lambda: flushed_at_exit.discard(tier)
 
 
 def check_device(device) -> torch.device:

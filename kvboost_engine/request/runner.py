@@ -17,13 +17,15 @@ class ModelRunner:
         self.lock = threading.Lock()
 
     def _run(self, run, kind: str, tokens: int, start: int, sequences: int = 1):
-        """`run()` under the lock, timed and reported as a ForwardEvent when anyone listens."""
+        """`run()` under the lock, timed and reported as a ForwardEvent when anyone listens (after
+        the lock: an observer may run a forward of its own, as Scheduler.call lets it)."""
         with self.lock:
             began = time.perf_counter()
             out = run()
-            if self.instruments.active:
-                self.instruments.emit(ForwardEvent(kind, tokens, start, time.perf_counter() - began, sequences))
-            return out
+            seconds = time.perf_counter() - began
+        if self.instruments.active:
+            self.instruments.emit(ForwardEvent(kind, tokens, start, seconds, sequences))
+        return out
 
     def forward(self, kv, token_ids: list[int], start: int, kind: str) -> torch.Tensor:
         """Compute `token_ids` at positions start.. over `kv`; logits [vocab] of the last one."""

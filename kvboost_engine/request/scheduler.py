@@ -27,7 +27,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..errors import BudgetError, KVBoostError, QueueFullError
+from ..errors import BudgetError, InputError, KVBoostError, QueueFullError
 from .admission import check_fits_alone, continues_a_prefill
 from .decode import Decoding, EngineParts, Request, messages_after
 from .endings import cancelled as _cancelled, guarded as _guarded, internal as _internal, \
@@ -51,6 +51,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._prefilling: list[Prefilling] = []
         self._decoding: list[Decoding] = []
+        self._repairing = 0                 # a request between the queue and decoding (active counts it)
         self._tasks: deque[tuple] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -59,7 +60,11 @@ class Scheduler:
 
     # ---- callers ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
-        """Queue a request; its deltas and result arrive through request.channel."""
+        """Queue a request; its deltas and result arrive through request.channel. Not from the
+        scheduler thread (an observer's callback): its reply would wait on the thread waiting for it."""
+        if threading.current_thread() is self._thread:
+            raise InputError("a request cannot be made from an instrument callback (it runs on the engine's "
+                             "scheduler thread, which would wait for itself); next_token_logits and warm can")
         check_fits_alone(self.parts.prefill, request)
         with self._cond:
             self._check_open()
@@ -96,7 +101,7 @@ class Scheduler:
         """Requests admitted and not finished. A decoding request counts until it finishes, not
         until the loop drops it from its list right after: a caller that has its reply already
         reads 0 (the loop hands the reply over before it drops the request)."""
-        return len(self._prefilling) + sum(not d.finished for d in list(self._decoding))
+        return len(self._prefilling) + self._repairing + sum(not d.finished for d in list(self._decoding))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -191,7 +196,7 @@ class Scheduler:
                     return
                 request = self._waiting[0]
             try:
-                if self._continues_a_prefill(request):
+                if continues_a_prefill(self.parts.prefill, request, [p.request for p in self._prefilling]):
                     return
                 assembled = assemble(self.parts.prefill, request.prompt, request.params.max_new_tokens)
             except BudgetError as err:
@@ -225,19 +230,19 @@ class Scheduler:
         with self._cond:
             self._waiting.remove(request)
 
-    def _continues_a_prefill(self, request: Request) -> bool:
-        return continues_a_prefill(self.parts.prefill, request, [p.request for p in self._prefilling])
-
     def _start(self, request: Request, assembled: Assembled) -> None:
         if not assembled.moved:
             self._prefilling.append(Prefilling(request, assembled))
             return
+        self._repairing += 1
         try:                                                    # moved spans: the repair runs on its own
             done = repair(self.parts.prefill, assembled)
         except BaseException as err:  # noqa: BLE001
             assembled.sequence.release()
             _refuse(request, err)
             return
+        finally:
+            self._repairing -= 1
         self._decode(request, done)
 
     def _decode(self, request: Request, done) -> None:
@@ -264,8 +269,10 @@ class Scheduler:
         owner.cursor += computed
         if owner.cursor == len(owner.request.prompt):
             done = prefilled(owner.assembled, logits)
-            self._prefilling.remove(owner)
-            self._decode(owner.request, done)
+            try:
+                self._decode(owner.request, done)
+            finally:                                # counted as active until it decodes (or ended)
+                self._prefilling.remove(owner)
 
     def _fail(self, owner, err: BaseException) -> None:
         """End one admitted request with `err` (whatever state it is in) and free its blocks."""

@@ -26,6 +26,9 @@ class LruBudget:
         self.bytes_used += size - self._sizes.pop(key, 0)
         self._sizes[key] = size
 
+    def size(self, key: bytes) -> int | None:
+        return self._sizes.get(key)
+
     def touch(self, key: bytes) -> None:
         if key in self._sizes:
             self._sizes.move_to_end(key)

@@ -26,8 +26,8 @@ class DiskTier:
     Files are written to a temporary name, fsynced and renamed, so no reader (thread or
     process) ever sees a partial file; every read verifies header and checksum, and a bad
     file is deleted and reported as a miss. Recency lives in memory and in file mtimes, so a
-    restart resumes the LRU order. The budget is exact for one process; processes sharing a
-    directory each enforce it over the files they know of (found at start, written or read).
+    restart resumes the LRU order. The budget is exact for one tier; tiers sharing a directory
+    (engines, processes) each enforce it over the files they know of (found at start, written or read).
     Files of other fingerprints live in other subdirectories (layout.py) and are never read,
     counted or deleted: another model may be using them.
 
@@ -78,6 +78,7 @@ class DiskTier:
                 return False
             if key in self._writing:
                 return True                         # same key, so the same KV, on its way
+            before = self._index.size(key)          # the file this one replaces, if any
             victims = self._index.reserve(key, size, self._writing)
             if victims is None:
                 self._counters.refused += 1
@@ -92,8 +93,11 @@ class DiskTier:
             elif written:
                 self._counters.writes += 1
                 self._counters.bytes_written += size
-            else:
+            else:                                   # a file it was to replace stays, and counted
                 self._index.remove(key)
+                if before is not None and os.path.lexists(self._path(key)):
+                    self._index.add(key, before)
+                    self._unlink_evicted(self._index.trim(self._writing | {key}))
                 self._counters.write_errors += 1
         return written
 
@@ -110,7 +114,7 @@ class DiskTier:
             if size > self._index.budget_bytes:
                 self._counters.refused += 1
                 return False
-        if self._writer.submit(key, (start, tuple(tokens), kv, exact), size):
+        if self._writer.submit(key, (start, tuple(tokens), kv, exact), size, lambda queued: exact and not queued[3]):
             return True
         with self._lock:
             self._counters.dropped_writes += 1
@@ -145,7 +149,9 @@ class DiskTier:
             return queued
         path = self._path(key)
         if key in self._unreadable:
-            return self._miss()
+            with self._lock:
+                self._counters.misses += 1
+            return None
         try:
             fd, info = open_regular(path)
         except NotRegularFile as error:
@@ -244,10 +250,6 @@ class DiskTier:
         def write(fd: int) -> None:
             write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
         return write_atomically(self._path(key), write, self.fsync)
-
-    def _miss(self) -> None:
-        with self._lock:
-            self._counters.misses += 1
 
     def _count_miss(self, key: bytes, error: OSError) -> None:
         with self._lock:

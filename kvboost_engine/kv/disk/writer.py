@@ -27,21 +27,32 @@ class WriteBehind:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def submit(self, key: bytes, args: tuple, nbytes: int) -> bool:
+    def submit(self, key: bytes, args: tuple, nbytes: int, supersedes=None) -> bool:
         """Queue a write; False when closed or the byte bound is reached. A key already queued
-        or being written is not queued twice (True)."""
+        or being written is not queued twice (True), unless `supersedes(its args)` says these
+        args replace it (they take its place in the queue, or follow the write in progress)."""
         with self._cond:
             if self._closed:
                 return False
-            if key in self._queue or (self._busy is not None and self._busy[0] == key):
+            on_its_way = self._queue[key][0] if key in self._queue else \
+                self._busy[1] if self._busy is not None and self._busy[0] == key else None
+            if on_its_way is not None and (supersedes is None or not supersedes(on_its_way)):
                 return True
-            if self.pending_bytes + nbytes > self.max_pending_bytes:
+            replaced = self._queue[key][1] if key in self._queue else 0
+            if self.pending_bytes - replaced + nbytes > self.max_pending_bytes:
                 return False
+            self._queue.pop(key, None)
             self._queue[key] = (args, nbytes)
-            self.pending_bytes += nbytes
+            self.pending_bytes += nbytes - replaced
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvboost-disk-writer", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="kvboost-disk-writer", daemon=True)
+                try:
+                    thread.start()
+                except BaseException:       # no thread (a process limit): nothing stays queued for none
+                    del self._queue[key]
+                    self.pending_bytes -= nbytes
+                    raise
+                self._thread = thread
             self._cond.notify_all()
             return True
 
