@@ -132,7 +132,9 @@ def test_missing_model_paths(tmp_path):
 
 def test_unreachable_hub_fails_fast(monkeypatch):
     import time
+    import huggingface_hub.constants
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)     # read once, at import
     started = time.perf_counter()
     with pytest.raises(ModelNotFoundError, match="(?s)could not load 'someorg/not-a-model'.*local HF directory"):
         Engine.from_pretrained("someorg/not-a-model")

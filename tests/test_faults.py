@@ -186,6 +186,9 @@ def test_queue_timeout_covers_a_wait_for_a_running_slot(smol):
     second = threading.Thread(target=lambda: results.append(_outcome(engine)))
     results: list = []
     second.start()
+    deadline = time.perf_counter() + WAIT
+    while not engine._scheduler._waiting and time.perf_counter() < deadline:
+        time.sleep(0.01)                     # queued (however slow the thread is to start)
     time.sleep(0.6)
     hold.release.set()                       # the slot frees only now, after the queue timeout
     second.join(WAIT)

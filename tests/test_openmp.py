@@ -20,19 +20,20 @@ def test_release_frees_the_calling_threads_workers_and_torch_works_after():
     out = {}
 
     def work():
-        a = torch.randn(512, 512)
+        a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
         (a @ a).sum()                                   # a parallel region: this thread's pool exists
         before = _threads()
         out["released"] = openmp.release_thread_pool()
         out["fewer"] = before - _threads()
-        out["after"] = float((a @ a).sum())             # the pool comes back on the next parallel op
-        out["expected"] = float((a.double() @ a.double()).sum())
+        out["after"] = a @ a                            # the pool comes back on the next parallel op
+        out["expected"] = (a.double() @ a.double()).float()
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
     assert out["released"] and out["fewer"] >= 1
-    assert out["after"] == pytest.approx(out["expected"], rel=1e-4)
+    torch.testing.assert_close(out["after"], out["expected"], rtol=1e-4, atol=1e-3)   # element by element: a
+    # sum of the product lands near zero for some draws, where float32 rounding is above 1e-4 of it
 
 
 def test_release_is_harmless_without_a_pool_and_when_called_twice():

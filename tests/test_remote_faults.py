@@ -31,7 +31,7 @@ from kvboost_integrations.remote.generation import ReplyState  # noqa: E402
 
 TIMEOUT_S = 0.5
 FAST = {"connect_timeout_s": TIMEOUT_S, "read_timeout_s": TIMEOUT_S, "cooldown_s": 60}
-SLACK_S = 1.5           # a loaded 2-core machine: time beyond the timeout a failing request may take
+SLACK_S = 5             # a loaded 2-core machine (0.7-1.2 s measured; the hang is what is caught): time beyond the timeout a failing request may take
 BEFORE_FIRST_TOKEN = [Fault("hang"), Fault("drop"), Fault("non_json"), Fault("malformed"), Fault("error"),
                       Fault("error", status=429), Fault("hang", paths="*"), Fault("drop", paths="*")]
 AFTER_FIRST_TOKEN = [Fault("hang", after_chunks=3), Fault("drop", after_chunks=3), Fault("malformed", after_chunks=3),
