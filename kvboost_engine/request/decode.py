@@ -55,10 +55,10 @@ def check_timeout(timeout_s) -> float | None:
 def check_window(parts: EngineParts, prompt_tokens: int, max_new_tokens: int) -> None:
     window = parts.adapter.context_window
     if prompt_tokens + max_new_tokens > window:
-        raise ContextWindowError(
-            f"prompt has {prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: together "
-            f"{prompt_tokens + max_new_tokens}, beyond the model's context window of {window} tokens"
-        )
+        error = ContextWindowError(f"prompt has {prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: together "
+                                   f"{prompt_tokens + max_new_tokens}, beyond the model's context window of {window} tokens")
+        error.prompt_tokens = prompt_tokens
+        raise error
 
 
 def store(parts: EngineParts, prompt: TokenizedPrompt, kv, upto: int, exact_upto: int,

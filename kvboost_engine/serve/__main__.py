@@ -3,8 +3,8 @@
     python -m kvboost_engine.serve                         # the default model on 127.0.0.1:8000
     python -m kvboost_engine.serve --model ./my-model --port 8001 --api-key secret --max-running 8
 
-The API key may also come from KVBOOST_API_KEY. SIGTERM (or Ctrl-C) drains: new requests get 503,
-those in flight finish (up to --drain-timeout-s), then the process exits.
+The API key may also come from KVBOOST_API_KEY. SIGTERM (or Ctrl-C) drains: no new connections (requests
+on open ones get 503), those in flight finish (up to --drain-timeout-s), then the process exits.
 """
 from __future__ import annotations
 

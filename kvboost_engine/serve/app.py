@@ -8,8 +8,8 @@ read by a `Pump`).
 
 Hygiene: an API key (Bearer) guards /v1/* and /tokenize when set (401); bodies over `max_body_bytes` get 413;
 bad JSON or a bad field 400 naming it; a full engine queue 429 with Retry-After; a server that
-drains (SIGTERM) answers 503 to new requests while in-flight ones finish; a client that
-disconnects cancels its request (the engine frees its blocks).
+drains (SIGTERM) answers 503 to requests on open connections while in-flight ones finish; a client
+that disconnects cancels its request within POLL_S, streaming or not (the engine frees its blocks).
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         Route("/v1/chat/completions", partial(_generate, kind="chat"), methods=["POST"]),
         Route("/v1/completions", partial(_generate, kind="completion"), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
+        Route("/v1/models/{model:path}", _models, methods=["GET"]),
         Route("/tokenize", _tokenize, methods=["POST"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
@@ -98,7 +99,13 @@ async def _models(request: Request) -> Response:
         return refused
     entry = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvboost",
              "max_model_len": state.engine.context_window}
-    return JSONResponse({"object": "list", "data": [entry]})
+    asked = request.path_params.get("model")
+    if asked is None:
+        return JSONResponse({"object": "list", "data": [entry]})
+    if asked != state.model_name:
+        return error_response(BadRequest(f"model {asked!r} is not served here; this server serves "
+                                         f"{state.model_name!r}", "model", status=404), state)
+    return JSONResponse(entry)
 
 
 async def _tokenize(request: Request) -> Response:
@@ -126,44 +133,49 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
         return refused
     try:
         body = await _read_json(request, state.max_body_bytes)
-        parse = parse_chat if kind == "chat" else parse_completion
-        call = parse(body, state.accepted)
-        if call.model not in (None, state.model_name):
-            raise BadRequest(f"model {call.model!r} is not served here; this server serves {state.model_name!r}",
-                             "model", status=404)
-        fmt = prepare_tools(call, call.tools, call.tool_choice, state.engine.tokenizer) if kind == "chat" else None
-        stream = await run_in_threadpool(_start, state.engine, call)
+        call, fmt, stream = await run_in_threadpool(_start, state, body, kind)      # parsing is work too
     except Exception as err:  # noqa: BLE001 - mapped to a status; unknown ones are a 500
         return error_response(err, state)
     state.metrics.started()
-    pump = Pump(stream, time.perf_counter())
+    pump = Pump(stream, time.perf_counter(), on_end=state.metrics.finished)     # counted however it ends
     event = await pump.next(request.is_disconnected)
     state.metrics.first_event()
     if event[0] in ("error", "gone"):
-        state.metrics.finished(None)
         return error_response(event[1], state) if event[0] == "error" else Response(status_code=499)
     reply = Reply(kind, state.model_name, ToolReply(fmt) if fmt is not None else None)
-    if call.stream:
-        def close() -> None:            # however the response ends: a client that left stops its request
-            pump.cancel()
-            state.metrics.finished(pump.generation)
-        return _EventStream(_events(pump, event, reply, call), close,
+    if call.stream:                     # however the response ends: a client that left stops its request
+        return _EventStream(_events(pump, event, reply, call), pump.cancel,
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _collect(pump, event, reply, request, state)
 
 
-def _start(engine: Engine, call: Call):
-    """Tokenize and submit (on a worker thread): the request's stream."""
-    if call.kind == "chat":
-        return engine.stream_chat(call.payload, template_kwargs=call.template_kwargs, **call.params)
-    return engine.stream(call.payload, **call.params)
+def _start(state: ServerState, body, kind: str):
+    """Parse, tokenize and submit (on a worker thread): the call, its tool format, its stream."""
+    call = (parse_chat if kind == "chat" else parse_completion)(body, state.accepted)
+    if call.model not in (None, state.model_name):
+        raise BadRequest(f"model {call.model!r} is not served here; this server serves {state.model_name!r}",
+                         "model", status=404)
+    engine = state.engine
+    fmt = prepare_tools(call, call.tools, call.tool_choice, engine.tokenizer) if kind == "chat" else None
+    start = partial(engine.stream_chat, call.payload, template_kwargs=call.template_kwargs) if kind == "chat" \
+        else partial(engine.stream, call.payload)
+    try:
+        return call, fmt, start(**call.params)
+    except ContextWindowError as err:           # no max_tokens: as OpenAI, the reply stops where the window does
+        room = engine.context_window - getattr(err, "prompt_tokens", engine.context_window)
+        if "max_new_tokens" in call.params or room < 1:
+            raise
+        return call, fmt, start(**{**call.params, "max_new_tokens": room})
 
 
 async def _collect(pump: Pump, event: tuple, reply: Reply, request: Request, state: ServerState) -> Response:
     """The whole reply as one JSON body (the client leaving cancels the request)."""
-    while event[0] == "delta":
-        event = await pump.next(request.is_disconnected)
-    state.metrics.finished(pump.generation)
+    try:
+        while event[0] == "delta":
+            event = await pump.next(request.is_disconnected)
+    except BaseException:               # the server's drain timed out (CancelledError): the request stops too
+        pump.cancel()
+        raise
     if event[0] == "error":
         return error_response(event[1], state)
     if event[0] == "gone":
@@ -179,7 +191,7 @@ async def _events(pump: Pump, event: tuple, reply: Reply, call: Call):
         if first is not None:
             yield sse(first)
         while event[0] == "delta":
-            for chunk in reply.delta_chunks(event[1]) if event[1] else ():
+            for chunk in reply.delta_chunks(event[1]) if event[1] or getattr(event[1], "logprobs", None) else ():
                 yield sse(chunk)
             event = await pump.next()
         if event[0] == "error":

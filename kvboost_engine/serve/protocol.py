@@ -22,14 +22,15 @@ SAMPLING_FIELDS = {
 }
 # Accepted and without effect on the reply (the OpenAI API's bookkeeping fields; llama-server's
 # penalty window, which our remote client sends next to repetition_penalty; checked below).
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "repeat_penalty",
-                  "repeat_last_n")
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+                  "prompt_cache_key", "repeat_penalty", "repeat_last_n")
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logprobs", "top_logprobs", *SAMPLING_FIELDS,
                  *IGNORED_FIELDS)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "response_format", "tools", "tool_choice", "chat_template_kwargs")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 PART_TYPES = ("text", "document")
 DEFAULT_TEMPERATURE = 1.0           # OpenAI's default when a request does not say
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000   # each token is checked against every stop string (OpenAI allows 4)
 
 
 class BadRequest(Exception):
@@ -70,9 +71,13 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
         raise BadRequest("messages must be a non-empty list of message objects", "messages")
     for i, message in enumerate(messages):
         check_message(message, f"messages[{i}]")
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]   # OpenAI's new name
     call = _common(body, "chat", messages, accepted)
     call.tools, call.tool_choice = body.get("tools"), body.get("tool_choice")
     call.template_kwargs = _optional_object(body, "chat_template_kwargs")
+    if call.template_kwargs and "chat_template" in call.template_kwargs:
+        raise BadRequest("chat_template_kwargs.chat_template is not accepted: this server renders chats with its "
+                         "model's own template", "chat_template_kwargs.chat_template")
     constraint = response_constraint(body.get("response_format"))
     if constraint is not None:
         call.params["constraint"] = constraint
@@ -139,6 +144,9 @@ def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
             raise BadRequest(f"{name} is not supported by this engine", name)
         if name == "top_k" and value == -1 and not isinstance(value, bool):
             value = 0                   # vLLM's and SGLang's "off" (our remote client sends it), the engine's 0
+        if name == "stop" and isinstance(value, list) and (len(value) > MAX_STOPS or any(
+                isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in value)):
+            raise BadRequest(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
         params[engine_name] = value
     return params
 

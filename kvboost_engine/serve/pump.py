@@ -4,7 +4,8 @@ The engine's `GenerationStream` blocks between tokens; the event loop must not. 
 stream on a thread of its own (one per request; the engine refuses requests beyond its queue, which
 bounds them) and passes ("delta", text), ("end", Generation) or ("error", exception) to an asyncio
 queue. `cancel()` stops the request in the engine (from the loop, at once); the thread then reads
-the stream to its end, so the request's KV is stored and its blocks are freed.
+the stream to its end, so the request's KV is stored and its blocks are freed, and hands the end
+(its Generation, None after an error) to `on_end`, however the response ended (metrics count it).
 """
 from __future__ import annotations
 
@@ -20,23 +21,30 @@ POLL_S = 0.25           # how often a wait for the next event checks whether the
 class Pump:
     """Events of one engine stream, awaited from the event loop."""
 
-    def __init__(self, stream: GenerationStream, started: float):
+    def __init__(self, stream: GenerationStream, started: float, on_end=None):
         self.stream = stream
         self.started = started
         self.first_at: float | None = None
         self.generation: Generation | None = None
+        self._on_end = on_end
+        self._checked = time.perf_counter()         # when `gone` was last asked
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._thread = threading.Thread(target=self._run, name="kvboost-serve-stream", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        ended = None
         try:
             for delta in self.stream:
                 self._put(("delta", delta))
-            self._put(("end", self.stream.generation))
+            ended = self.stream.generation
+            self._put(("end", ended))
         except BaseException as err:  # noqa: BLE001 - handed to the request's handler
             self._put(("error", err))
+        finally:
+            if self._on_end is not None:
+                self._on_end(ended)
 
     def _put(self, event: tuple) -> None:
         if self.first_at is None:
@@ -47,15 +55,17 @@ class Pump:
             self.stream.cancel()
 
     async def next(self, gone=None) -> tuple:
-        """The next event; `gone` (an async callable) is asked every POLL_S whether the client left,
-        and if it did the request is cancelled and ("gone", None) returned."""
+        """The next event; `gone` (an async callable) is asked every POLL_S (tokens arriving or not)
+        whether the client left, and if it did the request is cancelled and ("gone", None) returned."""
         while True:
+            if gone is not None and time.perf_counter() - self._checked >= POLL_S:
+                self._checked = time.perf_counter()
+                if await gone():
+                    self.cancel()
+                    return ("gone", None)
             try:
                 event = await asyncio.wait_for(self._queue.get(), POLL_S)
             except asyncio.TimeoutError:
-                if gone is not None and await gone():
-                    self.cancel()
-                    return ("gone", None)
                 continue
             if event[0] == "end":
                 self.generation = event[1]

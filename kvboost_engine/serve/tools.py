@@ -15,6 +15,8 @@ from ..toolcalls import (ToolCallSplitter, add_tool_prompt, calls_as_text, force
                          normalize_tool_choice, tool_format)
 from .protocol import BadRequest, Call
 
+MAX_TOOLS = 128                 # OpenAI's limit
+
 
 def prepare_tools(call: Call, tools, tool_choice, tokenizer):
     """Rewrite `call` (messages, template kwargs, params) for `tools`; returns the ToolFormat in use
@@ -55,8 +57,9 @@ def _has_tool_fields(message: dict) -> bool:
 def _check_tools(tools) -> list[dict]:
     if tools is None:
         return []
-    if not isinstance(tools, list):
-        raise BadRequest("tools must be a list of function tools", "tools")
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} function tools", "tools")
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict)
@@ -66,8 +69,9 @@ def _check_tools(tools) -> list[dict]:
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
                              f"tools[{i}].function.parameters")
-        if any(other["function"]["name"] == function["name"] for other in tools[:i]):
+        if function["name"] in names:
             raise BadRequest(f"tools[{i}] repeats the name {function['name']!r} (a call names its tool)", f"tools[{i}]")
+        names.add(function["name"])
     return tools
 
 
