@@ -51,11 +51,9 @@ class Engine:
             raise InputError(f"model must be a loaded transformers model, got {type(model).__name__} (a path or "
                              "model name: Engine.from_pretrained)")
         self.config = engine_config(config, options)
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        adapter = ModelAdapter(model, getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None)
-        self.adapter = adapter
+        self.adapter = adapter = ModelAdapter(model, getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None)
         self.fingerprint = kv_fingerprint(model_fingerprint(model, adapter.rope_settings(), tokenizer), adapter)
         if self.config.paged is None:
             paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
@@ -78,9 +76,8 @@ class Engine:
         self._scheduler = Scheduler(self._parts, max_running=c.max_running, max_waiting=c.max_waiting,
                                     max_batch_tokens=c.max_batch_tokens or max(c.prefill_chunk_tokens, c.max_running),
                                     queue_timeout_s=c.queue_timeout_s)
-        self._counters = RequestCounters()
-        self._owns_model = False
-        self._closed, self._closing = False, threading.RLock()
+        self._counters, self._owns_model = RequestCounters(), False
+        self._closed, self._closing, self._closed_done = False, threading.Lock(), threading.Event()
         release_thread_pool()       # this thread loaded the model; its idle OpenMP workers would slow the scheduler's
 
     @classmethod
@@ -295,10 +292,13 @@ class Engine:
     def close(self) -> None:
         """Finish pending disk writes and release what the engine opened: the disk tier's writer,
         and the layer streamer of a model it loaded itself. Later requests raise KVBoostError."""
-        with self._closing:                 # a second caller returns once the first is done (writes flushed)
-            if self._closed:
-                return
-            self._closed = True
+        with self._closing:
+            first, self._closed = not self._closed, True
+        if not first:                       # returns once the first caller is done (writes flushed), or
+            if not self._scheduler.on_thread():     # at once from an observer (the first waits for its thread)
+                self._closed_done.wait()
+            return
+        try:
             self._scheduler.close()
             if self.disk is not None:
                 self.disk.close()
@@ -306,6 +306,8 @@ class Engine:
             streamer = getattr(self.model, "kvboost_streamer", None)
             if self._owns_model and streamer is not None:
                 streamer.close()
+        finally:
+            self._closed_done.set()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kvboost_engine import Engine, FirstTokenEvent, ForwardEvent, InputError, QueueFullError
+from kvboost_engine import Engine, FirstTokenEvent, ForwardEvent, InputError, KVBoostError, QueueFullError
 from kvboost_engine.instrument import Instruments
 from kvboost_engine.kv.disk import DiskTier
 from kvboost_engine.loading import default_model_dir
@@ -91,6 +91,55 @@ def test_a_request_starting_to_decode_holds_its_running_slot(tiny):
         release.set()
         first.join(60)
     engine.close()
+
+
+def test_a_moved_request_starting_to_decode_holds_its_running_slot(tiny):
+    from test_moved_reuse import as_parts
+    engine = Engine(*tiny, moved_reuse="blend", max_running=1, max_waiting=0)
+    engine.chat(as_parts(range(6), "Summarise."), max_new_tokens=1)
+    in_begin, release, got = threading.Event(), threading.Event(), []
+
+    def observer(event):
+        if isinstance(event, FirstTokenEvent) and not in_begin.is_set():
+            in_begin.set()
+            release.wait(30)
+
+    engine.instruments.subscribe(observer)
+    first = threading.Thread(target=lambda: got.append(engine.chat(as_parts([4, 0, 2], "What?"), max_new_tokens=2)))
+    first.start()
+    assert in_begin.wait(60)
+    try:
+        assert engine._scheduler.active == 1
+        with pytest.raises(QueueFullError):
+            engine.stream("another request", max_new_tokens=1)
+    finally:
+        release.set()
+        first.join(60)
+    assert got and got[0].reused_moved > 0
+    engine.close()
+
+
+def test_an_observer_closing_the_engine_during_a_close_does_not_deadlock(tiny):
+    """close() held a lock while it waited for the scheduler thread; an observer on that thread
+    calling close() (a watchdog) waited for the lock: both waited for good."""
+    engine = Engine(*tiny)
+    step = threading.Event()
+
+    def observer(event):
+        if isinstance(event, ForwardEvent) and not step.is_set():
+            step.set()
+            while not engine._closed:                # another thread's close() has begun
+                time.sleep(0.01)
+            engine.close()
+
+    engine.instruments.subscribe(observer)
+    def request():
+        with pytest.raises(KVBoostError, match="closed"):        # the close ends it
+            list(engine.stream("Hello there", max_new_tokens=20))
+
+    threading.Thread(target=request, daemon=True).start()
+    assert step.wait(60)
+    assert _finishes(engine.close, 30)
 
 
 def test_a_second_close_returns_after_the_writes_are_flushed(tiny, tmp_path, monkeypatch):

@@ -481,6 +481,8 @@ def test_request_sizes_that_would_stall_every_request_are_a_400(served):
     assert twice.status_code == 400 and "repeats the name 'f0'" in twice.json()["error"]["message"]
     stops = _post(server, "/chat/completions", {**body, "stop": [f"s{i}" for i in range(17)]})
     assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop"
+    long = _post(server, "/chat/completions", {**body, "stop": "x" * 1001})        # one string, not a list
+    assert long.status_code == 400 and long.json()["error"]["param"] == "stop"
     assert _post(server, "/chat/completions", {**body, "stop": [f"s{i}" for i in range(16)]}).status_code == 200
 
 

@@ -1,21 +1,19 @@
 """Continuous batching: every request of an engine runs on one scheduler thread, in shared forwards.
 
-Each step is one forward over the next token of every decoding request plus, within a token
-budget (`max_batch_tokens`), a chunk of the prompts still being prefilled (chunked prefill): the
-weights are read once for all of them, each sequence attends over its own block table (shared
-prefix blocks mapped, not copied), and a long prompt never holds the others' decoding for more
-than one chunk. Requests come from any thread or event loop (`submit`); their results come back
-through their Channel.
+Each step is one forward over the next token of every decoding request plus, within a token budget
+(`max_batch_tokens`), a chunk of the prompts still being prefilled (chunked prefill): the weights are read
+once for all of them, each sequence attends over its own block table (shared prefix blocks mapped, not
+copied), and a long prompt never holds the others' decoding for more than one chunk. Requests come from any
+thread or event loop (`submit`); their results come back through their Channel.
 
-Admission: a request joins when a running slot (`max_running`) is free and its KV can be reserved.
-One that waits (a bounded queue, `max_waiting` beyond the free slots) gets a clear QueueFullError
-(a BudgetError: retry later) after `queue_timeout_s`; one that cannot fit the pool even alone is
-refused at once with a BudgetError. A request whose prompt continues a prompt still being
-prefilled waits for it to be stored, so concurrent chats over one system prompt hold its blocks once.
+Admission: a request joins when a running slot (`max_running`) is free and its KV can be reserved. One that
+waits (a bounded queue, `max_waiting` beyond the free slots) gets a clear QueueFullError (a BudgetError: retry
+later) after `queue_timeout_s`; one that cannot fit the pool even alone is refused at once with a BudgetError.
+A request whose prompt continues a prompt still being prefilled waits for it to be stored, so concurrent chats
+over one system prompt hold its blocks once.
 
-Faults: an exception while handling one request ends that request with it, the others go on; one
-the loop cannot pin on a request ends the admitted ones with a clear error. A caller never waits
-on a dead thread.
+Faults: an exception while handling one request ends that request with it, the others go on; one the loop
+cannot pin on a request ends the admitted ones with a clear error. A caller never waits on a dead thread.
 """
 from __future__ import annotations
 
@@ -62,30 +60,35 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queue a request; its deltas and result arrive through request.channel. Not from the
         scheduler thread (an observer's callback): its reply would wait on the thread waiting for it."""
-        if threading.current_thread() is self._thread:
+        if self.on_thread():
             raise InputError("a request cannot be made from an instrument callback (it runs on the engine's "
                              "scheduler thread, which would wait for itself); next_token_logits and warm can")
         check_fits_alone(self.parts.prefill, request)
         with self._cond:
-            self._check_open()
+            if self._closed:
+                raise KVBoostError("this engine is closed")
             free_slots = max(0, self.max_running - self.active)
             if len(self._waiting) >= self.max_waiting + free_slots:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting for a running slot or KV "
                                   f"room (max_waiting={self.max_waiting}, max_running={self.max_running}); "
                                   "try again later")
             self._enqueue(self._waiting, request)
-        if threading.current_thread() is not self._thread:
-            release_thread_pool()           # the caller now waits: its idle OpenMP workers would slow ours
+        release_thread_pool()               # the caller now waits: its idle OpenMP workers would slow ours
 
     def call(self, fn):
         """Run `fn()` on the scheduler thread between two steps and return its result."""
-        if threading.current_thread() is self._thread:
+        if self.on_thread():
             return fn()                     # already there (an observer calling back): no self-wait
         future: Future = Future()
         with self._cond:
-            self._check_open()
+            if self._closed:
+                raise KVBoostError("this engine is closed")
             self._enqueue(self._tasks, (fn, future))
         return future.result()
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on the scheduler thread (an observer's callback)."""
+        return threading.current_thread() is self._thread
 
     def close(self) -> None:
         """Cancel what waits or runs, and stop the thread."""
@@ -102,10 +105,6 @@ class Scheduler:
         until the loop drops it from its list right after: a caller that has its reply already
         reads 0 (the loop hands the reply over before it drops the request)."""
         return len(self._prefilling) + self._repairing + sum(not d.finished for d in list(self._decoding))
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KVBoostError("this engine is closed")
 
     def _enqueue(self, queue: deque, item) -> None:
         """Queue `item` and wake the loop, starting its thread if none runs (under self._cond). A thread
@@ -234,16 +233,17 @@ class Scheduler:
         if not assembled.moved:
             self._prefilling.append(Prefilling(request, assembled))
             return
-        self._repairing += 1
-        try:                                                    # moved spans: the repair runs on its own
-            done = repair(self.parts.prefill, assembled)
-        except BaseException as err:  # noqa: BLE001
-            assembled.sequence.release()
-            _refuse(request, err)
-            return
+        self._repairing += 1                # counted as active until it decodes (or ended)
+        try:                                # moved spans: the repair runs on its own
+            try:
+                done = repair(self.parts.prefill, assembled)
+            except BaseException as err:  # noqa: BLE001
+                assembled.sequence.release()
+                _refuse(request, err)
+                return
+            self._decode(request, done)
         finally:
             self._repairing -= 1
-        self._decode(request, done)
 
     def _decode(self, request: Request, done) -> None:
         decoding = Decoding(self.parts, request, done)

@@ -9,7 +9,7 @@ read by a `Pump`).
 Hygiene: an API key (Bearer) guards /v1/* and /tokenize when set (401); bodies over `max_body_bytes` get 413;
 bad JSON or a bad field 400 naming it; a full engine queue 429 with Retry-After; a server that
 drains (SIGTERM) answers 503 to requests on open connections while in-flight ones finish; a client
-that disconnects cancels its request within POLL_S, streaming or not (the engine frees its blocks).
+that disconnects cancels its request within 2 x POLL_S, streaming or not (the engine frees its blocks).
 """
 from __future__ import annotations
 

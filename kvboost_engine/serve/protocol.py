@@ -144,8 +144,9 @@ def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
             raise BadRequest(f"{name} is not supported by this engine", name)
         if name == "top_k" and value == -1 and not isinstance(value, bool):
             value = 0                   # vLLM's and SGLang's "off" (our remote client sends it), the engine's 0
-        if name == "stop" and isinstance(value, list) and (len(value) > MAX_STOPS or any(
-                isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in value)):
+        stops = [value] if name == "stop" and isinstance(value, str) else value if name == "stop" else None
+        if isinstance(stops, list) and (len(stops) > MAX_STOPS or any(
+                isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops)):
             raise BadRequest(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
         params[engine_name] = value
     return params

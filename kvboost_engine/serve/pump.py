@@ -39,12 +39,14 @@ class Pump:
             for delta in self.stream:
                 self._put(("delta", delta))
             ended = self.stream.generation
-            self._put(("end", ended))
+            last = ("end", ended)
         except BaseException as err:  # noqa: BLE001 - handed to the request's handler
-            self._put(("error", err))
-        finally:
+            last = ("error", err)
+        try:
             if self._on_end is not None:
-                self._on_end(ended)
+                self._on_end(ended)             # before the reply can go out: /metrics agrees with it
+        finally:
+            self._put(last)
 
     def _put(self, event: tuple) -> None:
         if self.first_at is None:
