@@ -150,6 +150,19 @@ class KVBoostSettings(BaseModel):
             self._engine = resolve_engine(self.engine, self.model, options)
         return self._engine
 
+    def __getstate__(self) -> dict:
+        """Pickled without its engine (a copy looks the shared one up again on first use); one given
+        as engine= cannot be pickled (an engine holds threads and memory)."""
+        if self.engine is not None:
+            raise TypeError(f"{type(self).__name__}(engine=...) cannot be pickled: construct it with model= and "
+                            "options (a copy then loads, or shares, the same engine)")
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {**(state.get("__pydantic_private__") or {}), "_engine": None}}
+
+    def __deepcopy__(self, memo: dict | None = None):
+        """A copy that shares the engine (engines are shared by design, and hold threads)."""
+        return self.model_copy(update={"stop": list(self.stop) if self.stop is not None else None})
+
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` with the model's own tokenizer (no special tokens), offline for a local
         model; with `endpoint`, the server's `/tokenize` (or `engine_kwargs["tokenizer"]`). A
@@ -171,7 +184,8 @@ class KVBoostSettings(BaseModel):
         if unknown:
             raise ValueError(f"unsupported call parameters {unknown}; accepted: {', '.join(_CALL_PARAMS)}"
                              " (to use another model, create another instance)")
-        params = engine_params({name: kwargs.get(name, getattr(self, name)) for name in _CALL_PARAMS})
+        params = engine_params({name: getattr(self, name) if kwargs.get(name) is None else kwargs[name]
+                                for name in _CALL_PARAMS})     # a per-call None keeps the instance's setting
         params["stop"] = stop if stop is not None else self.stop
         return params
 

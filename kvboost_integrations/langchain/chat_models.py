@@ -73,8 +73,10 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
                  kwargs: dict[str, Any]) -> tuple[Callable[[], GenerationStream], "_Reply"]:
         tools = kwargs.pop("tools", None) or []
+        kwargs.pop("stream", None)              # LangChain's routing flag (invoke(..., stream=True)), not sampling
         names = [tool["function"]["name"] for tool in tools]
-        choice = normalize_tool_choice(kwargs.pop("tool_choice", None), names) if tools else "none"
+        requested = kwargs.pop("tool_choice", None)     # with no tools (bind_tools([])): nothing to choose
+        choice = normalize_tool_choice(requested, names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
         parallel = kwargs.pop("parallel_tool_calls", None)
         reasoning = kwargs.pop("reasoning", self.reasoning)
@@ -94,18 +96,20 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
               params: dict, reply: ChatReply, reasoning: bool | None) -> GenerationStream:
         engine = self.get_engine()
         thinking = self._thinking(engine, reasoning, reply)
+        constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
             check_server(engine.server_info().kind, params)
+            forced = response_format is not None or (tools and choice != "auto")
             return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
                                       tool_choice=choice, response_format=response_format,
-                                      template_kwargs=thinking or None, **params)
+                                      template_kwargs=thinking or None, **(constrained if forced else params))
         if self.timeout is not None:        # the engine's own bound also covers queueing and prefill
             params = {**params, "timeout_s": self.timeout}
+            constrained = {**constrained, "timeout_s": self.timeout}
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         if self.document_order == "cache":
             chat, reply.documents_from_cache = engine.order_documents(chat)
-        constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if response_format is not None:
             return engine.stream_chat(chat, template_kwargs=thinking or None,
                                       constraint=response_constraint(response_format), **constrained)

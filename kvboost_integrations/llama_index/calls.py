@@ -114,10 +114,12 @@ class EngineCall:
             if self.document_order == "cache":
                 messages, self._documents_from_cache = engine.order_documents(messages)
             self._layout = engine.encode_messages(messages)
+        forced = self.grammar is not None or (self.tools and self.tool_choice not in (None, "auto", "none"))
+        params = {k: v for k, v in self.params.items() if k != "stop"} if forced else self.params
         return engine.stream_chat(messages, template_kwargs={**self.template_kwargs, **thinking} or None,
                                   tools=self.tools or None,
                                   tool_choice=self.tool_choice, response_format=_response_format(self.grammar),
-                                  **self.params)
+                                  **params)
 
     def telemetry(self, gen: Generation) -> dict:
         """Our telemetry for one finished request, plus document reuse when it had documents."""

@@ -84,6 +84,8 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
 
     _engine: Optional[Union[Engine, RemoteEngine]] = PrivateAttr(default=None)
     _custom_completion_to_prompt: bool = PrivateAttr(default=False)
+    _engine_given: bool = PrivateAttr(default=False)
+    _custom_messages_to_prompt: bool = PrivateAttr(default=False)
 
     def __init__(self, *, engine: Optional[Union[Engine, RemoteEngine]] = None, **data: Any):
         """`engine`: use this engine instead of the shared one for `model` and options."""
@@ -96,20 +98,38 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
             raise InputError(f"{', '.join(ignored)} configure the engine this class would load; with engine= they "
                              "are that engine's own (set them where it is built)")
         super().__init__(**data)
-        self._engine = engine
+        self._engine, self._engine_given = engine, engine is not None
         self._custom_completion_to_prompt = data.get("completion_to_prompt") is not None
+        self._custom_messages_to_prompt = data.get("messages_to_prompt") is not None
         check_values(self._params({}))          # a bad value (or additional_kwargs name) fails here, not later
 
     @classmethod
     def class_name(cls) -> str:
         return "KVBoost"
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled without its engine (a copy looks the shared one up again on first use: what
+        IngestionPipeline(num_workers=N) does to an extractor's LLM); one given as engine= cannot be."""
+        if self._engine_given:
+            raise TypeError("KVBoost(engine=...) cannot be pickled (an engine holds threads and memory): construct "
+                            "it with model= and options (a copy then loads, or shares, the same engine)")
+        engine, self._engine = self._engine, None
+        try:
+            return super().__getstate__()
+        finally:
+            self._engine = engine
+
+    def __deepcopy__(self, memo: Optional[dict] = None) -> "KVBoost":
+        """A copy that shares the engine (engines are shared by design, and hold threads)."""
+        return self.model_copy()
+
     @property
     def engine(self) -> Union[Engine, RemoteEngine]:
         """The engine behind this LLM (loaded on first use)."""
         if self._engine is None and self.endpoint is not None:
+            options = {"context_window": self.context_window} if self.context_window is not None else {}
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
-                                   timeout=self.timeout, options=self.engine_kwargs,
+                                   timeout=self.timeout, options={**options, **(self.engine_kwargs or {})},
                                    document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
@@ -153,9 +173,17 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         return self.engine.count_tokens(to_engine_messages(messages))
 
     # ---- requests ----------------------------------------------------------------------
-    def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> EngineCall:
+    def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict, custom: bool = True) -> EngineCall:
+        """A chat; with a custom messages_to_prompt (as HuggingFaceLLM takes) and no tools, its text
+        goes in as a plain prompt (`custom`: not for complete(), which has completion_to_prompt)."""
         check_messages(messages)
         kwargs = dict(kwargs)
+        if custom and self._custom_messages_to_prompt and not kwargs.get("tools"):
+            thinking, grammar = kwargs.pop("thinking", self.thinking), kwargs.pop("constraint", None)
+            for name in ("tools", "tool_choice", "document_order"):
+                kwargs.pop(name, None)
+            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=self.messages_to_prompt(messages),
+                              grammar=grammar, timeout=self.timeout, reasoning=thinking)
         specs = tool_specs(kwargs.pop("tools", None) or [])
         choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"
         grammar = kwargs.pop("constraint", None)
@@ -180,7 +208,7 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
             return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text, timeout=self.timeout,
                               reasoning=thinking)
         messages = self._extend_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
-        return self._chat_call(messages, kwargs)
+        return self._chat_call(messages, kwargs, custom=False)
 
     @staticmethod
     def _chats(call: EngineCall) -> ChatResponseGen:

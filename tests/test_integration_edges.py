@@ -1,0 +1,118 @@
+"""What LangChain and LlamaIndex code does with a chat model beyond invoke/chat (from a review of the
+framework classes): per-call None, zero bound tools, LangChain's stream= routing flag, pickling and
+copying (multiprocessing pipelines, Runnable copies), and over an endpoint: stop strings beside a
+forced output, and a context_window the server does not report."""
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+pytest.importorskip("langchain_core")
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import PromptTemplate  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
+
+from fake_openai_server import FakeServer  # noqa: E402
+from kvboost_engine import Engine  # noqa: E402
+from kvboost_integrations.langchain import ChatKVBoost  # noqa: E402
+from kvboost_integrations.llama_index import KVBoost  # noqa: E402
+
+
+class City(BaseModel):
+    name: Literal["Oslo", "Paris"]
+
+
+def get_weather(city: str) -> str:
+    """Weather of a city."""
+    return "sunny"
+
+
+@pytest.fixture(scope="module")
+def engine(smol):
+    engine = Engine(*smol)
+    yield engine
+    engine.close()
+
+
+def test_a_per_call_none_keeps_the_instance_setting(engine):
+    llm = ChatKVBoost(engine=engine, max_tokens=4, temperature=0)
+    reply = llm.invoke("Count from 1 to 50", max_tokens=None)
+    assert reply.usage_metadata["output_tokens"] == 4             # was the engine default (256)
+
+
+def test_zero_bound_tools_and_the_stream_flag(engine):
+    llm = ChatKVBoost(engine=engine, max_tokens=3, temperature=0)
+    plain = llm.invoke("Hi").content
+    assert llm.bind_tools([]).invoke("Hi").content == plain
+    assert llm.bind(tool_choice="auto").invoke("Hi").content == plain
+    assert llm.invoke("Hi", stream=True).content == llm.invoke("Hi", stream=False).content == plain
+
+
+def test_pickling_and_copying_the_langchain_class(engine):
+    llm = ChatKVBoost(max_tokens=3, temperature=0, stop=["\n\n"])
+    first = llm.invoke("Hi").content                               # the engine is loaded now
+    again = pickle.loads(pickle.dumps(llm))
+    assert again.invoke("Hi").content == first and again.get_engine() is llm.get_engine()   # the shared one
+    twin = copy.deepcopy(llm)
+    assert twin.get_engine() is llm.get_engine() and twin.stop == llm.stop and twin.stop is not llm.stop
+    given = ChatKVBoost(engine=engine)
+    assert copy.deepcopy(given).get_engine() is engine
+    with pytest.raises(TypeError, match=r"engine=.*cannot be pickled"):
+        pickle.dumps(given)
+
+
+def test_pickling_and_copying_the_llama_index_class(engine):
+    llm = KVBoost(max_new_tokens=3)
+    message = [ChatMessage(role="user", content="Hi")]
+    first = llm.chat(message).message.content
+    again = pickle.loads(pickle.dumps(llm))
+    assert again.chat(message).message.content == first and again.engine is llm.engine
+    assert copy.deepcopy(llm).engine is llm.engine
+    given = KVBoost(engine=engine, max_new_tokens=3)
+    assert copy.deepcopy(given).engine is engine
+    with pytest.raises(TypeError, match=r"engine=.*cannot be pickled"):      # a copy quietly used another engine
+        pickle.dumps(given)
+
+
+def test_over_an_endpoint_a_context_window_given_is_used():
+    with FakeServer(kind="library") as server:                     # a generic server: reports no window
+        llm = KVBoost(endpoint=server.url, context_window=2048, max_new_tokens=4)
+        assert llm.metadata.context_window == 2048
+        said = llm.predict(PromptTemplate("Say hi"))                # (cut at 4 tokens)
+        assert said and server.reply.startswith(said)
+
+
+def test_over_an_endpoint_stop_strings_do_not_reach_a_forced_output(smol):
+    """With the embedded engine a grammar decides where constrained output ends; over an endpoint
+    the stop strings were sent with it (our server refuses the pair, 400; vLLM cuts the JSON)."""
+    pytest.importorskip("starlette")
+    from kvboost_engine.serve import Server, create_app
+    engine = Engine(*smol)
+    with Server(create_app(engine)) as server:
+        chat = ChatKVBoost(endpoint=server.url, max_tokens=12, stop=["\n"], temperature=0)
+        assert chat.with_structured_output(City).invoke("Name a city in France.").name in ("Oslo", "Paris")
+        forced = chat.bind_tools([get_weather], tool_choice="any").invoke("Weather in Oslo?")
+        assert forced.tool_calls or forced.response_metadata.get("finish_reason") == "length"
+        llm = KVBoost(endpoint=server.url, max_new_tokens=12, stop=["\n"], temperature=0)
+        assert llm.structured_predict(City, PromptTemplate("Name a city in France.")).name in ("Oslo", "Paris")
+    engine.close()
+
+
+def test_a_custom_messages_to_prompt_is_used(engine):
+    """HuggingFaceLLM builds its chat prompt with messages_to_prompt; ours accepted it and never called it."""
+    calls = []
+
+    def my_format(messages):
+        calls.append(len(messages))
+        return "".join(f"<{m.role.value}>{m.content}\n" for m in messages) + "<assistant>"
+
+    llm = KVBoost(engine=engine, max_new_tokens=3, messages_to_prompt=my_format)
+    reply = llm.chat([ChatMessage(role="user", content="Hi")])
+    assert calls == [1]
+    assert reply.raw["usage"]["prompt_tokens"] == engine.count_tokens("<user>Hi\n<assistant>")
+    assert llm.complete("Hi").text and calls == [1]              # complete() has completion_to_prompt
