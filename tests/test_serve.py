@@ -502,3 +502,15 @@ def test_without_max_tokens_the_reply_stops_at_the_window(smol):
         full = httpx.post(server.url + "/completions", json={"prompt": prompt * 2}, timeout=60)
         assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded"
     engine.close()
+
+
+def test_unknown_routes_and_bad_stream_options_answer_in_openai_shape(served):
+    _, server = served
+    missing = _post(server, "/embeddings", {"input": "x"})
+    assert missing.status_code == 404 and "no route" in missing.json()["error"]["message"]
+    wrong = httpx.get(server.url + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "unknown_method"
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": "no"}}
+    refused = _post(server, "/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options.include_usage"

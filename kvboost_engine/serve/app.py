@@ -73,7 +73,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         Route("/tokenize", _tokenize, methods=["POST"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
-    ])
+    ], exception_handlers={404: _not_found, 405: _not_found})
     app.state.kvboost = state
     return app
 
@@ -271,6 +271,13 @@ def error_response(err: BaseException, state: ServerState) -> Response:
     if isinstance(err, KVBoostError):
         return _error(503, str(err), kind="server_error")
     return _error(500, f"{type(err).__name__}: {err}", kind="server_error")
+
+
+async def _not_found(request: Request, exc) -> Response:
+    """An unknown route or method, in OpenAI's error shape (clients parse it) rather than plain text."""
+    status = getattr(exc, "status_code", 404)
+    what = "route" if status == 404 else "method"
+    return _error(status, f"no {what} {request.method} {request.url.path} on this server", code=f"unknown_{what}")
 
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,

@@ -120,6 +120,9 @@ def _common(body: dict, kind: str, payload, accepted: frozenset[str]) -> Call:
     if set(options) - {"include_usage", "continuous_usage_stats"}:
         bad = sorted(set(options) - {"include_usage", "continuous_usage_stats"})[0]
         raise BadRequest(f"unknown stream_options field {bad!r}", f"stream_options.{bad}")
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(name, False), bool):
+            raise BadRequest(f"stream_options.{name} must be a boolean", f"stream_options.{name}")
     if options and not stream:
         raise BadRequest("stream_options needs stream=true", "stream_options")
     _check_repeat_fields(body)
