@@ -65,7 +65,8 @@ def prune_staging(parent: Path, older_than_s: float = STALE_STAGING_S) -> list[s
 
 def drop_superseded(target: Path, source: Path, marker: str, suffix: str = "") -> list[str]:
     """Delete the other finished builds beside `target` of the same `source` (the file or folder
-    its `marker` file names: a relative path, as older builds wrote, from the working directory) whose names differ from `target`'s only in the
+    its `marker` file names by absolute path: a relative one, as older builds wrote, may name another file
+    from another working directory, and is passed over) whose names differ from `target`'s only in the
     16-digit identity hash before `suffix`: built by an earlier format version, or before the
     source changed (size, mtime). Nothing loads them again and each is about the source's size.
     A process still mapping one keeps its pages until it exits. The names removed."""
@@ -76,7 +77,7 @@ def drop_superseded(target: Path, source: Path, marker: str, suffix: str = "") -
             if other == target or not pattern.fullmatch(other.name) or not (other / marker).is_file():
                 continue
             named = Path((other / marker).read_text())
-            if named.resolve() == source:
+            if named.is_absolute() and named.resolve() == source:
                 shutil.rmtree(other)
                 removed.append(other.name)
         except (OSError, ValueError):           # removed by another process first; an odd marker

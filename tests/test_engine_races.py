@@ -119,11 +119,30 @@ def test_a_moved_request_starting_to_decode_holds_its_running_slot(tiny):
     engine.close()
 
 
+def test_a_moved_request_ended_at_once_has_left_its_slot_when_its_reply_arrives(tiny, monkeypatch):
+    """A moved request finished inside its first step (one token) handed its reply over before its
+    slot was counted free: the caller's next request was refused (max_running=1, max_waiting=0)."""
+    from kvboost_engine.request.scheduler import Scheduler
+    from test_moved_reuse import as_parts
+    engine = Engine(*tiny, moved_reuse="blend", max_running=1, max_waiting=0)
+    engine.chat(as_parts(range(6), "Summarise."), max_new_tokens=1)
+    real = Scheduler._decode
+
+    def slow_decode(self, request, done):            # the scheduler thread paused right after
+        real(self, request, done)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(Scheduler, "_decode", slow_decode)
+    assert engine.chat(as_parts([4, 0, 2], "What?"), max_new_tokens=1).reused_moved > 0
+    engine.generate("another request", max_new_tokens=1)    # its slot is free: not refused
+    engine.close()
+
+
 def test_an_observer_closing_the_engine_during_a_close_does_not_deadlock(tiny):
     """close() held a lock while it waited for the scheduler thread; an observer on that thread
     calling close() (a watchdog) waited for the lock: both waited for good."""
     engine = Engine(*tiny)
-    step = threading.Event()
+    step, ended = threading.Event(), []
 
     def observer(event):
         if isinstance(event, ForwardEvent) and not step.is_set():
@@ -133,13 +152,19 @@ def test_an_observer_closing_the_engine_during_a_close_does_not_deadlock(tiny):
             engine.close()
 
     engine.instruments.subscribe(observer)
-    def request():
-        with pytest.raises(KVBoostError, match="closed"):        # the close ends it
-            list(engine.stream("Hello there", max_new_tokens=20))
 
-    threading.Thread(target=request, daemon=True).start()
+    def request():
+        try:
+            list(engine.stream("Hello there", max_new_tokens=20))
+        except KVBoostError as error:                # the close ends it
+            ended.append(error)
+
+    requester = threading.Thread(target=request, daemon=True)
+    requester.start()
     assert step.wait(60)
     assert _finishes(engine.close, 30)
+    requester.join(30)
+    assert len(ended) == 1 and "closed" in str(ended[0])
 
 
 def test_a_second_close_returns_after_the_writes_are_flushed(tiny, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from llama_index.core import PromptTemplate  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 
 from fake_openai_server import FakeServer  # noqa: E402
-from kvboost_engine import Engine  # noqa: E402
+from kvboost_engine import Engine, InputError  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost  # noqa: E402
 from kvboost_integrations.llama_index import KVBoost  # noqa: E402
 
@@ -51,15 +51,19 @@ def test_zero_bound_tools_and_the_stream_flag(engine):
     assert llm.bind_tools([]).invoke("Hi").content == plain
     assert llm.bind(tool_choice="auto").invoke("Hi").content == plain
     assert llm.invoke("Hi", stream=True).content == llm.invoke("Hi", stream=False).content == plain
+    assert llm.bind(stream=False).invoke("Hi").content == plain
+    with pytest.raises(ValueError, match="no tools are bound"):
+        llm.bind_tools([], tool_choice="any").invoke("Hi")
 
 
 def test_pickling_and_copying_the_langchain_class(engine):
-    llm = ChatKVBoost(max_tokens=3, temperature=0, stop=["\n\n"])
+    llm = ChatKVBoost(max_tokens=3, temperature=0, stop=["\n\n"], logit_bias={5: -1.0})
     first = llm.invoke("Hi").content                               # the engine is loaded now
     again = pickle.loads(pickle.dumps(llm))
     assert again.invoke("Hi").content == first and again.get_engine() is llm.get_engine()   # the shared one
     twin = copy.deepcopy(llm)
     assert twin.get_engine() is llm.get_engine() and twin.stop == llm.stop and twin.stop is not llm.stop
+    assert twin.logit_bias == llm.logit_bias and twin.logit_bias is not llm.logit_bias       # a deep copy
     given = ChatKVBoost(engine=engine)
     assert copy.deepcopy(given).get_engine() is engine
     with pytest.raises(TypeError, match=r"engine=.*cannot be pickled"):
@@ -71,8 +75,16 @@ def test_pickling_and_copying_the_llama_index_class(engine):
     message = [ChatMessage(role="user", content="Hi")]
     first = llm.chat(message).message.content
     again = pickle.loads(pickle.dumps(llm))
-    assert again.chat(message).message.content == first and again.engine is llm.engine
-    assert copy.deepcopy(llm).engine is llm.engine
+    assert llm._engine is not None                                 # pickling left the instance as it was
+    assert not again._custom_messages_to_prompt and not again._custom_completion_to_prompt   # the chat template
+    reply = again.chat(message)
+    assert reply.message.content == first and again.engine is llm.engine
+    assert reply.raw["usage"]["prompt_tokens"] == llm.chat(message).raw["usage"]["prompt_tokens"]
+    twin = copy.deepcopy(KVBoost(max_new_tokens=3, additional_kwargs={"top_k": 5}))
+    deep = copy.deepcopy(llm)
+    assert deep.engine is llm.engine and twin.additional_kwargs == {"top_k": 5}
+    twin.additional_kwargs["top_k"] = 7
+    assert copy.deepcopy(twin).additional_kwargs is not twin.additional_kwargs
     given = KVBoost(engine=engine, max_new_tokens=3)
     assert copy.deepcopy(given).engine is engine
     with pytest.raises(TypeError, match=r"engine=.*cannot be pickled"):      # a copy quietly used another engine
@@ -85,6 +97,10 @@ def test_over_an_endpoint_a_context_window_given_is_used():
         assert llm.metadata.context_window == 2048
         said = llm.predict(PromptTemplate("Say hi"))                # (cut at 4 tokens)
         assert said and server.reply.startswith(said)
+    with FakeServer(kind="vllm", context_window=4096) as server:   # one that reports it bounds it
+        assert KVBoost(endpoint=server.url, context_window=2048).metadata.context_window == 2048
+        with pytest.raises(InputError, match="beyond the model's context window of 4096"):
+            KVBoost(endpoint=server.url, context_window=16384).metadata
 
 
 def test_over_an_endpoint_stop_strings_do_not_reach_a_forced_output(smol):

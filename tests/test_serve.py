@@ -510,7 +510,10 @@ def test_unknown_routes_and_bad_stream_options_answer_in_openai_shape(served):
     assert missing.status_code == 404 and "no route" in missing.json()["error"]["message"]
     wrong = httpx.get(server.url + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "unknown_method"
+    assert wrong.headers["allow"] == "POST"
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "stream": True,
             "stream_options": {"include_usage": "no"}}
     refused = _post(server, "/chat/completions", body)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options.include_usage"
+    body["stream_options"] = {"include_usage": None}                             # null: not set
+    assert _post(server, "/chat/completions", body).status_code == 200

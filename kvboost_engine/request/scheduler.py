@@ -51,9 +51,8 @@ class Scheduler:
         self._decoding: list[Decoding] = []
         self._repairing = 0                 # a request between the queue and decoding (active counts it)
         self._tasks: deque[tuple] = deque()
-        self._cond = threading.Condition()
+        self._cond, self._closed = threading.Condition(), False
         self._thread: threading.Thread | None = None
-        self._closed = False
         live_schedulers.add(self)
 
     # ---- callers ------------------------------------------------------------------------
@@ -233,17 +232,18 @@ class Scheduler:
         if not assembled.moved:
             self._prefilling.append(Prefilling(request, assembled))
             return
-        self._repairing += 1                # counted as active until it decodes (or ended)
-        try:                                # moved spans: the repair runs on its own
-            try:
-                done = repair(self.parts.prefill, assembled)
-            except BaseException as err:  # noqa: BLE001
-                assembled.sequence.release()
-                _refuse(request, err)
-                return
-            self._decode(request, done)
-        finally:
-            self._repairing -= 1
+        self._repairing += 1                # active until it decodes (or ended); a reply made at once is
+        with messages_after():              # handed over after that (a caller holding it reads active 0)
+            try:                            # moved spans: the repair runs on its own
+                try:
+                    done = repair(self.parts.prefill, assembled)
+                except BaseException as err:  # noqa: BLE001
+                    assembled.sequence.release()
+                    _refuse(request, err)
+                    return
+                self._decode(request, done)
+            finally:
+                self._repairing -= 1
 
     def _decode(self, request: Request, done) -> None:
         decoding = Decoding(self.parts, request, done)

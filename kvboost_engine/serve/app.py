@@ -277,7 +277,8 @@ async def _not_found(request: Request, exc) -> Response:
     """An unknown route or method, in OpenAI's error shape (clients parse it) rather than plain text."""
     status = getattr(exc, "status_code", 404)
     what = "route" if status == 404 else "method"
-    return _error(status, f"no {what} {request.method} {request.url.path} on this server", code=f"unknown_{what}")
+    return _error(status, f"no {what} {request.method} {request.url.path} on this server", code=f"unknown_{what}",
+                  headers=getattr(exc, "headers", None))         # 405: Allow
 
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,

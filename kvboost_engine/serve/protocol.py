@@ -121,7 +121,7 @@ def _common(body: dict, kind: str, payload, accepted: frozenset[str]) -> Call:
         bad = sorted(set(options) - {"include_usage", "continuous_usage_stats"})[0]
         raise BadRequest(f"unknown stream_options field {bad!r}", f"stream_options.{bad}")
     for name in ("include_usage", "continuous_usage_stats"):
-        if not isinstance(options.get(name, False), bool):
+        if options.get(name) is not None and not isinstance(options[name], bool):
             raise BadRequest(f"stream_options.{name} must be a boolean", f"stream_options.{name}")
     if options and not stream:
         raise BadRequest("stream_options needs stream=true", "stream_options")

@@ -160,8 +160,12 @@ class KVBoostSettings(BaseModel):
         return {**state, "__pydantic_private__": {**(state.get("__pydantic_private__") or {}), "_engine": None}}
 
     def __deepcopy__(self, memo: dict | None = None):
-        """A copy that shares the engine (engines are shared by design, and hold threads)."""
-        return self.model_copy(update={"stop": list(self.stop) if self.stop is not None else None})
+        """A deep copy that shares the engine (engines are shared by design, and hold threads)."""
+        memo = {} if memo is None else memo
+        for engine in (self.engine, self._engine):
+            if engine is not None:
+                memo[id(engine)] = engine
+        return super().__deepcopy__(memo)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` with the model's own tokenizer (no special tokens), offline for a local
@@ -209,8 +213,8 @@ class KVBoostSettings(BaseModel):
     def ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
         params = {"ls_provider": "kvboost", "ls_model_type": model_type,
                   "ls_model_name": kwargs.get("model") if isinstance(kwargs.get("model"), str) else self.model_name,
-                  "ls_temperature": kwargs.get("temperature", self.temperature),
-                  "ls_max_tokens": kwargs.get("max_tokens", self.max_tokens)}
+                  "ls_temperature": self.temperature if kwargs.get("temperature") is None else kwargs["temperature"],
+                  "ls_max_tokens": self.max_tokens if kwargs.get("max_tokens") is None else kwargs["max_tokens"]}
         stop = stop if stop is not None else self.stop
         if stop:
             params["ls_stop"] = list(stop)

@@ -47,7 +47,7 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
     """
 
     _bind_only: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
-                                             "reasoning")
+                                             "reasoning", "stream")
 
     reasoning: bool | None = None
     """Reasoning models (a chat template with a thinking switch, as Qwen3's `enable_thinking`):
@@ -76,6 +76,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         kwargs.pop("stream", None)              # LangChain's routing flag (invoke(..., stream=True)), not sampling
         names = [tool["function"]["name"] for tool in tools]
         requested = kwargs.pop("tool_choice", None)     # with no tools (bind_tools([])): nothing to choose
+        if not tools and requested not in (None, "auto", "none", False):
+            raise ValueError(f"tool_choice={requested!r} forces a tool call, but no tools are bound")
         choice = normalize_tool_choice(requested, names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
         parallel = kwargs.pop("parallel_tool_calls", None)

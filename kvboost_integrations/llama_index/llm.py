@@ -18,7 +18,8 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
-from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 
 from kvboost_engine import Engine, InputError
 
@@ -99,8 +100,9 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
                              "are that engine's own (set them where it is built)")
         super().__init__(**data)
         self._engine, self._engine_given = engine, engine is not None
-        self._custom_completion_to_prompt = data.get("completion_to_prompt") is not None
-        self._custom_messages_to_prompt = data.get("messages_to_prompt") is not None
+        # by identity (LlamaIndex's defaults fill both fields; an unpickled copy passes them back in)
+        self._custom_completion_to_prompt = self.completion_to_prompt is not default_completion_to_prompt
+        self._custom_messages_to_prompt = self.messages_to_prompt is not generic_messages_to_prompt
         check_values(self._params({}))          # a bad value (or additional_kwargs name) fails here, not later
 
     @classmethod
@@ -113,23 +115,23 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         if self._engine_given:
             raise TypeError("KVBoost(engine=...) cannot be pickled (an engine holds threads and memory): construct "
                             "it with model= and options (a copy then loads, or shares, the same engine)")
-        engine, self._engine = self._engine, None
-        try:
-            return super().__getstate__()
-        finally:
-            self._engine = engine
+        clone = self.model_copy()              # this instance keeps its engine while it is pickled
+        clone._engine = None
+        return FunctionCallingLLM.__getstate__(clone)
 
     def __deepcopy__(self, memo: Optional[dict] = None) -> "KVBoost":
-        """A copy that shares the engine (engines are shared by design, and hold threads)."""
-        return self.model_copy()
+        """A deep copy that shares the engine (engines are shared by design, and hold threads)."""
+        memo = {} if memo is None else memo
+        if self._engine is not None:
+            memo[id(self._engine)] = self._engine
+        return super().__deepcopy__(memo)
 
     @property
     def engine(self) -> Union[Engine, RemoteEngine]:
         """The engine behind this LLM (loaded on first use)."""
         if self._engine is None and self.endpoint is not None:
-            options = {"context_window": self.context_window} if self.context_window is not None else {}
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
-                                   timeout=self.timeout, options={**options, **(self.engine_kwargs or {})},
+                                   timeout=self.timeout, options=self.engine_kwargs,
                                    document_order=_set_order(self))
         if self._engine is None:
             options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
@@ -144,7 +146,12 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         (or the smaller `context_window` given) and `num_output` (default: the max_new_tokens a call
         gets, `additional_kwargs`' max_tokens included)."""
         engine = self.engine
-        window = engine.context_window
+        try:
+            window = engine.context_window
+        except InputError:                  # a server that does not report it: the context_window given
+            if self.context_window is None:
+                raise
+            window = self.context_window
         if self.context_window is not None and self.context_window > window:
             raise InputError(f"context_window={self.context_window} is beyond the model's context window of "
                              f"{window} tokens")
