@@ -72,6 +72,14 @@ def test_a_request_starting_to_decode_holds_its_running_slot(tiny):
     """Between the end of its prefill and its first decode step a request was in neither list: with
     max_running=1 and max_waiting=0 another request was queued instead of refused."""
     engine = Engine(*tiny, max_running=1, max_waiting=0)
+    _refused_while_the_first_begins(engine, lambda: engine.generate("one two three", max_new_tokens=4,
+                                                                    min_new_tokens=4))
+    engine.close()
+
+
+def _refused_while_the_first_begins(engine, first_request) -> None:
+    """Hold `first_request` at its first token (an observer) and check that the engine counts it as
+    running: with max_running=1 and max_waiting=0 another request is refused at once."""
     in_begin, release = threading.Event(), threading.Event()
 
     def observer(event):
@@ -79,8 +87,8 @@ def test_a_request_starting_to_decode_holds_its_running_slot(tiny):
             in_begin.set()
             release.wait(30)
 
-    engine.instruments.subscribe(observer)
-    first = threading.Thread(target=lambda: engine.generate("one two three", max_new_tokens=4, min_new_tokens=4))
+    subscription = engine.instruments.subscribe(observer)
+    first = threading.Thread(target=first_request)
     first.start()
     assert in_begin.wait(60)
     try:
@@ -90,31 +98,16 @@ def test_a_request_starting_to_decode_holds_its_running_slot(tiny):
     finally:
         release.set()
         first.join(60)
-    engine.close()
+        subscription.close()
 
 
 def test_a_moved_request_starting_to_decode_holds_its_running_slot(tiny):
     from test_moved_reuse import as_parts
     engine = Engine(*tiny, moved_reuse="blend", max_running=1, max_waiting=0)
     engine.chat(as_parts(range(6), "Summarise."), max_new_tokens=1)
-    in_begin, release, got = threading.Event(), threading.Event(), []
-
-    def observer(event):
-        if isinstance(event, FirstTokenEvent) and not in_begin.is_set():
-            in_begin.set()
-            release.wait(30)
-
-    engine.instruments.subscribe(observer)
-    first = threading.Thread(target=lambda: got.append(engine.chat(as_parts([4, 0, 2], "What?"), max_new_tokens=2)))
-    first.start()
-    assert in_begin.wait(60)
-    try:
-        assert engine._scheduler.active == 1
-        with pytest.raises(QueueFullError):
-            engine.stream("another request", max_new_tokens=1)
-    finally:
-        release.set()
-        first.join(60)
+    got = []
+    _refused_while_the_first_begins(engine, lambda: got.append(engine.chat(as_parts([4, 0, 2], "What?"),
+                                                                           max_new_tokens=2)))
     assert got and got[0].reused_moved > 0
     engine.close()
 
