@@ -370,6 +370,41 @@ def test_what_the_template_or_the_schema_cannot_take_is_a_400(served):
     assert _post(server, "/chat/completions", {**body, "top_k": -1}).status_code == 200     # vLLM's "off"
 
 
+def test_field_values_are_refused_under_the_clients_names():
+    """A bad value is refused naming the field the client sent (max_tokens, not the engine's max_new_tokens),
+    with it as the error's param; template booleans are booleans (Jinja reads "false" as true)."""
+    from kvboost_engine.serve.protocol import BadRequest, engine_parameters, parse_chat
+    msgs = [{"role": "user", "content": "Q"}]
+    cases = [({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -2}, "max_completion_tokens"),
+             ({"min_tokens": -1}, "min_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+             ({"top_k": -5}, "top_k"), ({"seed": "x"}, "seed"), ({"frequency_penalty": 3}, "frequency_penalty"),
+             ({"logit_bias": {"a": 1}}, "logit_bias"), ({"stop": [1]}, "stop"),
+             ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ({"chat_template_kwargs": {"add_generation_prompt": "false"}}, "chat_template_kwargs.add_generation_prompt"),
+             ({"chat_template_kwargs": {"continue_final_message": 1}}, "chat_template_kwargs.continue_final_message")]
+    for fields, param in cases:
+        with pytest.raises(BadRequest) as refused:
+            parse_chat({"messages": msgs, **fields}, engine_parameters())
+        assert refused.value.param == param and str(refused.value).startswith(param), fields
+
+
+def test_a_streamed_chunk_carries_usage_null_when_usage_is_asked(served):
+    """OpenAI's include_usage: every chunk but the last has "usage": null; without it, no usage key."""
+    _, server = served
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3, "stream": True, "temperature": 0}
+    for include, route in ((True, "/chat/completions"), (False, "/chat/completions"), (True, "/completions")):
+        sent = {**body, "stream_options": {"include_usage": True}} if include else body
+        if route == "/completions":
+            sent = {k: v for k, v in sent.items() if k != "messages"} | {"prompt": "Paris is"}
+        lines = _post(server, route, sent).text.splitlines()
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert len(chunks) >= 3
+        if include:
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]
+        else:
+            assert all("usage" not in c for c in chunks)
+
+
 def test_protocol_maps_and_refuses_fields():
     from kvboost_engine.serve.protocol import BadRequest, engine_parameters, parse_chat, parse_completion
     accepted = engine_parameters()

@@ -142,7 +142,7 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
     state.metrics.first_event()
     if event[0] in ("error", "gone"):
         return error_response(event[1], state) if event[0] == "error" else Response(status_code=499)
-    reply = Reply(kind, state.model_name, ToolReply(fmt) if fmt is not None else None)
+    reply = Reply(kind, state.model_name, ToolReply(fmt) if fmt is not None else None, usage_null=call.include_usage)
     if call.stream:                     # however the response ends: a client that left stops its request
         return _EventStream(_events(pump, event, reply, call), pump.cancel,
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

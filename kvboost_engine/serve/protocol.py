@@ -4,14 +4,16 @@ Every field a request may carry is listed here; any other field, and a field of 
 is a `BadRequest` naming it (HTTP 400). Sampling fields are mapped onto the names
 `SamplingParams.build` accepts in this engine (read from its signature when the server starts),
 so a field the engine cannot honour is refused by name rather than ignored. Values are checked
-by the engine itself (its `InputError` messages name the parameter).
+here by the engine's own rules and refused under the field's name (`max_tokens`, not the engine's
+`max_new_tokens`), with the field as the error's `param`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..constrained import AnyJson, JsonSchema
-from ..request.sampling import SAMPLING_NAMES
+from ..errors import InputError
+from ..request.sampling import SAMPLING_NAMES, SamplingParams
 
 # OpenAI's (and vLLM's extension) field name -> the engine's parameter name
 SAMPLING_FIELDS = {
@@ -78,11 +80,17 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
     if call.template_kwargs and "chat_template" in call.template_kwargs:
         raise BadRequest("chat_template_kwargs.chat_template is not accepted: this server renders chats with its "
                          "model's own template", "chat_template_kwargs.chat_template")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if call.template_kwargs and not isinstance(call.template_kwargs.get(name, False), bool):
+            raise BadRequest(f"chat_template_kwargs.{name} must be a boolean", f"chat_template_kwargs.{name}")
     constraint = response_constraint(body.get("response_format"))
     if constraint is not None:
         call.params["constraint"] = constraint
     if call.logprobs:
-        call.params.update(logprobs=True, top_logprobs=_int(body, "top_logprobs", 0))
+        top = _int(body, "top_logprobs", 0)
+        if not 0 <= top <= 20:
+            raise BadRequest(f"top_logprobs must be an int in [0, 20], got {top!r}", "top_logprobs")
+        call.params.update(logprobs=True, top_logprobs=top)
     elif body.get("top_logprobs"):
         raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
     return call
@@ -151,8 +159,18 @@ def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
         if isinstance(stops, list) and (len(stops) > MAX_STOPS or any(
                 isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops)):
             raise BadRequest(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+        _check_value(name, engine_name, value)
         params[engine_name] = value
     return params
+
+
+def _check_value(name: str, engine_name: str, value) -> None:
+    """The engine's own check of one field, refused under the name the client sent (`max_tokens` must be
+    ..., param `max_tokens`), not the engine's (`max_new_tokens`, no param)."""
+    try:
+        SamplingParams.build(**{engine_name: value})
+    except InputError as err:
+        raise BadRequest(str(err).replace(engine_name, name, 1), name) from None
 
 
 def response_constraint(response_format):

@@ -12,10 +12,11 @@ from ..request.generation import Generation
 class Reply:
     """Builds the bodies of one request's reply (one id and creation time for all its chunks)."""
 
-    def __init__(self, kind: str, model: str, tools=None):
+    def __init__(self, kind: str, model: str, tools=None, usage_null: bool = False):
         self.kind = kind
         self.model = model
         self.tools = tools              # a tools.ToolReply when the model may call tools
+        self.usage_null = usage_null    # include_usage: every chunk but the last carries "usage": null (OpenAI's)
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -77,11 +78,16 @@ class Reply:
 
     def _chunk(self, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return self._with_usage({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def _completion_chunk(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice]}
+        return self._with_usage({**self._head("text_completion"), "choices": [choice]})
+
+    def _with_usage(self, chunk: dict) -> dict:
+        if self.usage_null:
+            chunk["usage"] = None
+        return chunk
 
 
 def finish_reason(gen: Generation) -> str:
