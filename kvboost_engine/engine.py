@@ -239,9 +239,7 @@ class Engine:
         if pin:
             self.cache.check_pin_budget(n)              # refuse before computing anything
         self._scheduler.call(lambda: self._prefill_and_store(prompt, pin))
-        match = self.cache.match(prompt.token_ids, n)
-        self.cache.release(match.table)
-        return match.length
+        return self.cache.cached_prefix(prompt.token_ids, n, exact=False)    # a peek: no lookup in stats()
 
     def order_documents(self, prompt) -> tuple[list, int]:
         """Cache-aware document order: within each run of document parts of chat messages (or of

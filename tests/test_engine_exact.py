@@ -146,6 +146,9 @@ def test_pinned_system_prompt_survives_pressure(smol):
     system = [{"role": "system", "content": SYSTEM}]
     pinned = small.warm(system, pin=True)
     assert pinned > 100
+    counted = {k: small.stats()[k] for k in ("lookups", "hits", "hit_tokens")}
+    assert counted == {"lookups": 1, "hits": 0, "hit_tokens": 0}      # its own count was a second lookup, a hit
+    assert small.warm(system) == pinned and small.stats()["lookups"] == 2
     for n in range(3):
         small.chat([{"role": "user", "content": f"Unrelated question {n}: " + "why is the sky blue? " * 8}],
                    max_new_tokens=4)

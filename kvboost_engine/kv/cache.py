@@ -111,12 +111,12 @@ class ChunkCache:
             if current.alive and not current.children and not current.pinned:
                 self.budget.evict(current)
 
-    def cached_prefix(self, tokens: list[int], limit: int) -> int:
-        """How many of tokens[:limit] are cached as an exact prefix in memory (a peek: no counters,
-        no recency, no disk)."""
+    def cached_prefix(self, tokens: list[int], limit: int, exact: bool = True) -> int:
+        """How many of tokens[:limit] are cached as an exact prefix in memory (`exact=False`: exact
+        or not); a peek: no counters, no recency, no disk."""
         with self._lock:
             match, _, _ = self.tree.walk(tokens, limit, touch=False)
-            return next((span.start for span in match.spans if not span.exact), match.length)
+            return next((span.start for span in match.spans if exact and not span.exact), match.length)
 
     def release(self, table) -> None:
         """Give back the references a match handed out."""
