@@ -29,7 +29,7 @@ from .native import build
 from .model import compat
 from .model.building import building_model
 from .progress import Stages
-from .paths import build_folder, build_lock, cache_home, drop_superseded, staging_dir
+from .paths import build_folder, build_lock, cache_home, drop_superseded, publish, published
 from .weights.gguf_model import COMPLETE as _COMPLETE, is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -97,10 +97,10 @@ def _converted_once(name: str, gguf_in) -> Path:
     """cache_home()/models/<name>: the HF directory converted from the GGUF `gguf_in(tmpdir)` gives,
     built once (under a lock, so concurrent first uses build it once) and reused after."""
     target = cache_home() / "models" / name
-    if (target / _COMPLETE).exists():
+    if published(target, _COMPLETE):
         return target
     with build_lock(target):
-        if not (target / _COMPLETE).exists():
+        if not published(target, _COMPLETE):
             with tempfile.TemporaryDirectory(prefix=".fetch-", dir=build_folder(target.parent)) as tmp:
                 _convert_gguf(gguf_in(Path(tmp)), target)
     return target
@@ -142,9 +142,9 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     ident = xxhash.xxh64_hexdigest(f"convert-2:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_home() / "models" / f"{gguf_path.stem}-{ident}{compat.converted_dir_suffix()}"
-    if not (target / _COMPLETE).exists():
+    if not published(target, _COMPLETE):
         with build_lock(target):
-            if not (target / _COMPLETE).exists():
+            if not published(target, _COMPLETE):
                 _convert_gguf(gguf_path, target)
                 drop_superseded(target, gguf_path, _COMPLETE, compat.converted_dir_suffix())   # the file changed
     return target
@@ -229,16 +229,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
 
 def _save_atomically(model, tokenizer, target: Path, note: str) -> None:
-    staging = staging_dir(target.parent, ".convert-")
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / _COMPLETE).write_text(note)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    publish(target, lambda staging: (model.save_pretrained(staging), tokenizer.save_pretrained(staging)), _COMPLETE, note)
 
 
 def hub_model_dir(model_id: str) -> Path:

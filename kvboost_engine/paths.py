@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import re
 import shutil
@@ -9,7 +11,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import xxhash
 from filelock import FileLock
+
+log = logging.getLogger(__name__)
+SUMS = ".kvboost-sums.json"      # a published folder's files: name -> [size, xxh3_64]
+_WHOLE: set[tuple] = set()       # (folder, marker's mtime) checked whole in this process
+_DAMAGED: set[tuple] = set()     # ... and found damaged (said once)
 
 
 def cache_home() -> Path:
@@ -92,3 +100,62 @@ def build_lock(target: Path):
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / f".{target.name}.lock")):
         yield
+
+
+def publish(target: Path, write, marker: str, note: str) -> None:
+    """Build a folder entry in staging with `write(staging)`, record its files' sizes and checksums
+    (SUMS), write its `marker` (text `note`, written last) and give it `target`'s name in one rename
+    (replacing an older one). A write that fails (a full disk: safetensors raises its own error) is an
+    OSError naming `target`; the staging goes."""
+    from safetensors import SafetensorError
+    staging = staging_dir(target.parent, ".convert-")
+    try:
+        try:
+            write(staging)
+        except SafetensorError as err:
+            raise OSError(f"cannot write {target} (a full disk?): {err}") from err
+        (staging / SUMS).write_text(json.dumps({f.name: [f.stat().st_size, _checksum(f)] for f in _files(staging)}))
+        (staging / marker).write_text(note)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def published(target: Path, marker: str) -> bool:
+    """Whether `target` is a finished entry (its `marker` there) whose files still match the sizes and
+    checksums recorded when it was built (a file truncated, overwritten or missing since: logged, False,
+    so the caller builds it again). Checked once per process; an entry from before SUMS is taken whole."""
+    try:
+        stamp = (str(target), (target / marker).stat().st_mtime_ns)
+        if stamp in _WHOLE:
+            return True
+        sums = json.loads((target / SUMS).read_text()) if (target / SUMS).exists() else {}
+        for name, (size, digest) in sums.items():
+            path = target / name
+            if not path.is_file() or path.stat().st_size != size or _checksum(path) != digest:
+                if stamp not in _DAMAGED:
+                    log.warning("kvboost: %s is damaged (%s differs from when it was built): building it again",
+                                target, name)
+                _DAMAGED.add(stamp)
+                return False
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, TypeError) as err:         # an unreadable or odd SUMS: build again
+        log.warning("kvboost: cannot check %s (%s): building it again", target, err)
+        return False
+    _WHOLE.add(stamp)
+    return True
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir() if f.is_file())
+
+
+def _checksum(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            digest.update(block)
+    return digest.hexdigest()

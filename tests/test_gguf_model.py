@@ -161,6 +161,46 @@ def test_a_new_conversion_removes_the_superseded_conversion_of_its_file(tmp_path
     assert new != old and not old.exists() and new.is_dir() and kept.is_dir()
 
 
+def test_a_damaged_conversion_is_converted_again(tmp_path, monkeypatch, caplog):
+    """A converted folder overwritten in place (loaded garbage: the default model answered ''), truncated
+    (an error on every load) or missing its weights was trusted for good: its files are checked against
+    the checksums written with it (once per process) and a damaged one is converted again."""
+    from kvboost_engine import paths
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", Q.Q4_1, embed=Q.Q8_0)
+    target = converted_gguf_dir(path)
+    weights = target / "model.safetensors"
+    good = weights.read_bytes()
+    for damage in (lambda: weights.write_bytes(good[:100] + bytes(len(good) - 100)),     # same size, zeroed
+                   lambda: weights.write_bytes(good[: len(good) // 2]), weights.unlink):
+        monkeypatch.setattr(paths, "_WHOLE", set())                      # a new process
+        damage()
+        with caplog.at_level("WARNING"):
+            assert converted_gguf_dir(path) == target
+        assert "is damaged" in caplog.text and weights.read_bytes() == good
+        caplog.clear()
+    monkeypatch.setattr(paths, "_WHOLE", set())
+    import kvboost_engine.loading as loading
+    monkeypatch.setattr(loading, "publish", lambda *a: pytest.fail("converted a whole folder again"))
+    assert converted_gguf_dir(path) == target
+
+
+def test_a_full_disk_while_converting_is_an_os_error(tmp_path, monkeypatch):
+    """safetensors' own error on a full disk reached the user as a raw SafetensorError (fetch's
+    one-line message is for OSErrors)."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", Q.Q4_1, embed=Q.Q8_0)
+
+    def full(self, *args, **kwargs):
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    with pytest.raises(OSError, match="No space left"):
+        converted_gguf_dir(path)
+    assert not [p for p in (tmp_path / "home" / "models").iterdir() if not p.name.startswith(".")]
+
+
 def test_engine_loads_a_gguf_as_stored_and_decodes(tmp_path):
     path = tmp_path / "e.gguf"
     write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)

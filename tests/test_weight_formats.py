@@ -136,6 +136,41 @@ def test_a_changed_cache_file_is_converted_again(tiny_dir):
     assert not again.kvboost_weights.weights_from_cache
 
 
+def test_a_cache_file_changed_in_place_is_converted_again(tiny_dir):
+    """Bytes overwritten inside the file (its size and shapes as they were) loaded as the weights:
+    the default model answered ''. A checksum in the file's metadata catches it."""
+    first, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="bf16")
+    path = first.kvboost_weights.weights_cache_file
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        handle.seek(size - 4096)
+        handle.write(bytes(4096))
+    again, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="bf16")
+    assert not again.kvboost_weights.weights_from_cache and os.path.getsize(path) == size
+    third, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="bf16")
+    assert third.kvboost_weights.weights_from_cache
+
+
+def test_a_cache_that_cannot_be_written_still_loads(tiny_dir, monkeypatch, caplog):
+    """A full disk or a read-only cache failed the load although the conversion in memory had worked
+    (weights="bf16": converted in memory; int4 / int8 stream into their pack, whose write error stays an OSError)."""
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with caplog.at_level("WARNING"):
+        model, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="bf16")
+    assert not model.kvboost_weights.weights_from_cache and "No space left" in caplog.text
+    assert not [p for p in os.listdir(os.path.dirname(model.kvboost_weights.weights_cache_file))
+                if p.startswith(".convert-")]
+    monkeypatch.undo()
+    monkeypatch.setattr(quantized, "build_lock", lambda path: (_ for _ in ()).throw(PermissionError("read-only")))
+    monkeypatch.setenv("KVBOOST_HOME", str(tiny_dir.parent / "home2"))
+    model, _ = load_model_and_tokenizer(tiny_dir, device=CPU, dtype=torch.float32, weights="bf16")
+    assert model.kvboost_weights.weights_format == "bf16"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_default_model_greedy_reply_matches_fp32(smol, fmt):
     model, tokenizer = smol

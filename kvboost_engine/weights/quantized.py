@@ -82,17 +82,25 @@ def convert_model(model: nn.Module, fmt: str, cache_dir: Path | None = None) -> 
     stored = _read_cache(path, targets, fmt)
     from_cache = stored is not None
     if stored is None:
-        with build_lock(path):
-            stored = _read_cache(path, targets, fmt)
-            from_cache = stored is not None
-            if stored is None:
-                stored = {name: _convert(module.weight, _format_of(name, fmt)) for name, module in targets.items()}
-                _write_cache(path, stored, fmt)
+        try:
+            with build_lock(path):
+                stored = _read_cache(path, targets, fmt)
+                from_cache = stored is not None
+                if stored is None:
+                    stored = _convert_all(targets, fmt)
+                    _write_cache(path, stored, fmt)
+        except OSError as err:          # a full disk, a read-only cache: the conversion serves, uncached
+            log.warning("cannot keep the converted weights in %s (%s): converted for this process only", path, err)
+            stored = stored or _convert_all(targets, fmt)
     _install(model, targets, stored)
     release_free_memory(collect=True)
     info = WeightsInfo(fmt, str(path), from_cache, time.perf_counter() - began, _weight_bytes(model))
     model.kvboost_weights = info
     return info
+
+
+def _convert_all(targets: dict[str, nn.Module], fmt: str) -> dict:
+    return {name: _convert(module.weight, _format_of(name, fmt)) for name, module in targets.items()}
 
 
 def _targets(model: nn.Module) -> dict[str, nn.Module]:
@@ -160,12 +168,17 @@ def _read_cache(path: Path, targets: dict[str, nn.Module], fmt: str) -> dict | N
     """The converted tensors by module, or None when the file is missing or does not fit the model."""
     if not path.exists():
         return None
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
     try:
         flat = load_file(str(path))
+        with safe_open(str(path), "pt") as handle:
+            recorded = (handle.metadata() or {}).get("xxh3_64")
     except (OSError, SafetensorError) as err:
         log.warning("ignoring unreadable converted-weights file %s (%s): converting again", path, err)
+        return None
+    if recorded is not None and recorded != _digest(flat):      # files from before the checksum: shapes only
+        log.warning("converted-weights file %s differs from its checksum (changed on disk): converting again", path)
         return None
     stored = {}
     for name, module in targets.items():
@@ -189,18 +202,31 @@ def _fits(tensors: dict, module: nn.Module, fmt: str) -> bool:
 
 
 def _write_cache(path: Path, stored: dict, fmt: str) -> None:
+    """The converted tensors to `path` (in one rename); an OSError when they cannot be written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     flat = {f"{name}.{key}": value.contiguous() for name, tensors in stored.items() for key, value in tensors.items()}
     handle, staging = tempfile.mkstemp(prefix=".convert-", suffix=".safetensors", dir=build_folder(path.parent))
     os.close(handle)
     try:
-        save_file(flat, staging, metadata={"format": CACHE_FORMAT, "weights": fmt,
+        save_file(flat, staging, metadata={"format": CACHE_FORMAT, "weights": fmt, "xxh3_64": _digest(flat),
                                            "modules": json.dumps(sorted(stored))})
         os.chmod(staging, 0o644)                # not mkstemp's 0600: others sharing the cache read it
         os.replace(staging, path)
+    except SafetensorError as err:      # a full disk (safetensors' own error)
+        raise OSError(str(err)) from err
     finally:
         if os.path.exists(staging):
             os.remove(staging)
+
+
+def _digest(flat: dict[str, torch.Tensor]) -> str:
+    """xxh3_64 over the tensors' names and bytes, in name order."""
+    digest = xxhash.xxh3_64()
+    for name in sorted(flat):
+        digest.update(name.encode())
+        digest.update(flat[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _weight_bytes(model: nn.Module) -> int:
