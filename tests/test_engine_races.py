@@ -198,6 +198,34 @@ def test_a_writer_thread_that_cannot_start_leaves_nothing_queued(tmp_path, monke
     assert _finishes(tier.close, 10) and tier.get(b"j" * 16) is not None
 
 
+def test_an_idle_writer_thread_ends_and_a_dropped_engine_leaves_none(tiny, tmp_path, monkeypatch):
+    """The writer waited for close() for good: an engine dropped without close() left its thread and,
+    through it, its disk tier alive (one thread per engine a web app made per request)."""
+    from kvboost_engine.kv.disk.writer import WriteBehind
+    monkeypatch.setattr(WriteBehind, "IDLE_EXIT_S", 0.05)
+    writers = lambda: [t for t in threading.enumerate() if t.name == "kvboost-disk-writer"]  # noqa: E731
+    before = len(writers())
+    tiers = []
+    for i in range(3):
+        engine = Engine(*tiny, disk_cache_dir=str(tmp_path))
+        engine.generate(f"A prompt of its own, number {i} " * 4, max_new_tokens=2)
+        tiers.append(weakref.ref(engine.disk))
+        del engine
+    deadline = time.monotonic() + 30
+    while (len(writers()) > before or any(t() is not None for t in tiers)) and time.monotonic() < deadline:
+        __import__("gc").collect()
+        time.sleep(0.05)
+    assert len(writers()) == before and all(t() is None for t in tiers)
+    tier = DiskTier(tmp_path / "again", 1 << 20, FP, fsync=False)       # a writer that ended starts again
+    for key in (KEY, b"j" * 16):
+        assert tier.put_async(key, 0, (1, 2), KV, True) and tier.flush(timeout=10)
+        deadline = time.monotonic() + 10
+        while tier._writer._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert tier._writer._thread is None and tier.get(key) is not None
+    assert _finishes(tier.close, 10)
+
+
 def test_a_failed_replacing_write_keeps_the_old_file_counted(tmp_path, monkeypatch):
     import kvboost_engine.kv.disk.tier as tier_module
     tier = DiskTier(tmp_path, 1 << 20, FP, fsync=False)

@@ -14,8 +14,12 @@ class WriteBehind:
 
     The queue is bounded by bytes (queued plus the one being written), so spilled KV waiting
     for the disk has a hard memory budget; `submit` refuses rather than blocks when it is full.
-    The thread starts on the first submit.
+    The thread starts on a submit and ends once nothing was queued for IDLE_EXIT_S (the next submit
+    starts another): a thread waiting for good would keep the tier, and so its engine's files, alive
+    after the engine was dropped without close().
     """
+
+    IDLE_EXIT_S = 1.0
 
     def __init__(self, write: Callable[..., object], max_pending_bytes: int):
         self._write = write
@@ -89,14 +93,17 @@ class WriteBehind:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
+                self._cond.wait_for(lambda: self._queue or self._closed, self.IDLE_EXIT_S)
+                if not self._queue:             # closed, or idle: a later submit starts a new thread
+                    if self._thread is threading.current_thread():
+                        self._thread = None
                     return
                 key, (args, nbytes) = self._queue.popitem(last=False)
                 self._busy = (key, args, nbytes)
