@@ -31,7 +31,8 @@ from .request.runner import ModelRunner
 from .request.sampling import SamplingParams, check_names
 from .request.tokens import PromptTokenizer, TokenizedPrompt
 from .wiring import (cache_budget, check_device, check_fits_device, disk_codec_for, disk_tier_for, eos_ids, flush_at_exit,
-                     kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, resolve_dtype, weight_stats)
+                     kv_fingerprint, logits_size, native_decoder_for, native_stats, pool_for, release_closed,
+                     resolve_dtype, weight_stats)
 
 
 class Engine:
@@ -288,8 +289,9 @@ class Engine:
         return self.cache.memory()
 
     def close(self) -> None:
-        """Finish pending disk writes and release what the engine opened: the disk tier's writer,
-        and the layer streamer of a model it loaded itself. Later requests raise KVBoostError."""
+        """Finish pending disk writes and release what the engine opened: the disk tier's writer, the
+        layer streamer of a model it loaded itself, the KV pool's memory and spill file, the native
+        step's memory. Later requests raise KVBoostError."""
         with self._closing:
             first, self._closed = not self._closed, True
         if not first:                       # returns once the first caller is done (writes flushed), or
@@ -301,9 +303,8 @@ class Engine:
             if self.disk is not None:
                 self.disk.close()
                 self._exit_flush()
-            streamer = getattr(self.model, "kvboost_streamer", None)
-            if self._owns_model and streamer is not None:
-                streamer.close()
+            release_closed(self.model if self._owns_model else None, self._native, self.cache.pool,
+                           idle=not self._scheduler.on_thread())
         finally:
             self._closed_done.set()
 

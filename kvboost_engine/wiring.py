@@ -128,6 +128,19 @@ def flush_at_exit(tier):
     return lambda: flushed_at_exit.discard(tier)
 
 
+def release_closed(owned_model, native, pool, idle: bool) -> None:
+    """What a closed engine opened, given back: the layer streamer of a model it loaded itself (`owned_model`);
+    once its scheduler thread has ended (`idle`: not closed from inside a step), the KV pool's memory and
+    spill file and the native step's memory (a closed engine kept referenced held them all)."""
+    streamer = getattr(owned_model, "kvboost_streamer", None)
+    if streamer is not None:
+        streamer.close()
+    if idle:
+        if native is not None:
+            native.close()
+        pool.free_storage()
+
+
 def check_device(device) -> torch.device:
     """`device` (None: CUDA where available, else the CPU) as a torch.device, before anything loads:
     InputError for a name torch does not know or a CUDA device this machine lacks."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvboost_engine import BudgetError, Engine
+from kvboost_engine import BudgetError, Engine, KVBoostError
 from test_engine_exact import QUESTIONS, SYSTEM
 from tiny_models import tiny_model
 
@@ -115,7 +115,41 @@ def test_spill_runs_a_context_longer_than_the_pool_only_with_the_disk_tier(smol,
     assert out.token_ids == reference.token_ids
     assert spilled.stats()["pool_peak_blocks_used"] > spilled.stats()["pool_ram_blocks"]
     pool = spilled.cache.pool                            # the spill file got its disk space before its first write
-    assert os.fstat(pool._spill_fd).st_blocks * 512 >= pool.spill.numel() * pool.spill.element_size()
+    fd = pool._spill_fd
+    assert os.fstat(fd).st_blocks * 512 >= pool.spill.numel() * pool.spill.element_size()
+    spilled.close()                                      # close() gives the file, its space and the pool back
+    with pytest.raises(OSError):                         # (they stayed until the engine was collected)
+        os.fstat(fd)
+    assert pool.spill is None and pool.ram.numel() == 0
+    assert spilled.stats()["pool_ram_blocks"] > 0 and spilled.memory()["pool_bytes"] >= 0
+    with pytest.raises(KVBoostError, match="closed"):
+        spilled.generate(prompt, max_new_tokens=1)
+
+
+def test_a_request_that_fits_the_pool_alone_runs_next_to_a_split_chunk(smol):
+    """A chunk split by a second branch keeps a copy of its first block that eviction cannot reach while a
+    request maps the chunk: a request filling the pool exactly was refused (BudgetError) with nothing else
+    running, and ran with the cache off. The match is given back and the prompt computed whole."""
+    tokenizer = smol[1]
+    model = tiny_model("llama")                          # 512 bytes of KV a token
+    pool = 9 * 16 * 512                                  # 9 blocks of 16: exactly 144 positions
+    head, words = "the cat sat on", (" far away into deep green forests near old towns and" * 20).split()
+
+    def prompt(n_tokens):
+        k = next(k for k in range(1, len(words)) if len(tokenizer(head + " " + " ".join(words[:k]))["input_ids"]) >= n_tokens)
+        return head + " " + " ".join(words[:k])
+
+    first, long = prompt(64), prompt(134)
+    room = 144 - len(tokenizer(long)["input_ids"])
+    replies = []
+    for cache in (0, pool):
+        engine = Engine(model, tokenizer, cache_bytes=cache, kv_pool_bytes=pool)
+        engine.generate(first, max_new_tokens=1)
+        engine.generate(head + " a mat while the dogs ran", max_new_tokens=1)      # splits the first chunk
+        replies.append(engine.generate(long, max_new_tokens=room, min_new_tokens=room).token_ids)
+        assert engine.cache.pool.usage()["in_use"] == 0
+        engine.cache.check_invariants()
+    assert replies[0] == replies[1]
 
 
 def test_a_spill_file_the_disk_cannot_hold_refuses_the_request_not_the_process(smol, tmp_path, monkeypatch):

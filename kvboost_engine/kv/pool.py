@@ -45,8 +45,8 @@ class BlockPool:
         self.spill, self._spill_fd = (_spill_tensor(spill_dir, self.spill_blocks, geometry, b) if self.spill_blocks
                                       else (None, None))
         self._spill_reserved = False    # the spill file's disk space, taken when a block first lands there
-        if self._spill_fd is not None:
-            weakref.finalize(self, os.close, self._spill_fd)     # the file (and its space) goes with the pool
+        self._close_spill = weakref.finalize(self, os.close, self._spill_fd) if self._spill_fd is not None else None
+        # (the file, and its space, goes with the pool, or with free_storage())
         total = self.ram_blocks + self.spill_blocks
         self.refs = np.zeros((2, total), dtype=np.int64)        # [holder kind, block]
         self._lock = threading.RLock()
@@ -134,6 +134,14 @@ class BlockPool:
             cached, in_use = self.refs[CACHED] > 0, self.refs[IN_USE] > 0
             return {"cached": int(cached.sum()), "in_use": int(in_use.sum()),
                     "only_cached": int((cached & ~in_use).sum()), "free": int(self._free_mask().sum())}
+
+    def free_storage(self) -> None:
+        """Give back the pool's memory and its spill file (mapping, descriptor, disk space) for good:
+        its engine closed, no block is read or written again."""
+        with self._lock:
+            self.ram, self.spill = self.ram.new_empty(0), None
+            if self._close_spill is not None:
+                self._close_spill()             # once: the finalizer does not close the number again
 
     # ---- data ---------------------------------------------------------------------------
     def region(self, block: int) -> tuple[torch.Tensor, int]:

@@ -126,7 +126,7 @@ def _assemble(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int, use
         if use_moved:
             moved = _moved_spans(parts, prompt, match.length, n + new_tokens)
         handed_over = True                  # from here _sequence owns match.table, even when it fails
-        sequence = _sequence(parts, match, n + new_tokens)
+        sequence = _sequence(parts, match, n + new_tokens, may_drop=not moved)
         sequence.rope_end = n               # its chunks' rotary as the prompt's one call (longrope)
         for span in moved:
             _load_moved(parts, sequence, span)
@@ -144,8 +144,9 @@ def _assemble(parts: PrefillParts, prompt: TokenizedPrompt, new_tokens: int, use
     return sequence, match, moved
 
 
-def _sequence(parts: PrefillParts, match: Match, capacity: int):
-    """A sequence with the matched prefix in place and room for `capacity` positions."""
+def _sequence(parts: PrefillParts, match: Match, capacity: int, may_drop: bool = True):
+    """A sequence with the matched prefix in place and room for `capacity` positions (`may_drop`, no
+    moved spans held: a match that keeps the pool from making that room is given back whole)."""
     pool = parts.cache.pool
     if not parts.config.paged:
         sequence = SequenceKV(parts.adapter.geometry, capacity, parts.adapter.device, pool)
@@ -163,6 +164,15 @@ def _sequence(parts: PrefillParts, match: Match, capacity: int):
         # and recompute its positions instead (a request that fits the pool alone always runs).
         _trim_to_block(match, parts.cache)
         parts.cache.make_room(own)              # as many own blocks, but the shared one is free to go
+    if may_drop and match.length and pool.free_blocks() < own:
+        # Still short: the matched chunks hold blocks eviction cannot reach while this request maps
+        # them (a chunk split by another branch keeps a copy of its first block): give the whole
+        # match back and compute the prompt from its start (a request that fits alone runs).
+        parts.cache.release(match.table)
+        match.table.clear()
+        match.spans.clear()
+        own = -(-capacity // b)
+        parts.cache.make_room(own)
     sequence = PagedSequence(pool, capacity)
     sequence.map_shared(match.table)
     try:
