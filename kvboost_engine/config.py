@@ -27,7 +27,11 @@ class EngineConfig:
         nothing stored), which is the baseline for every comparison.
     chunk_tokens: longest chunk stored as one cache node; segments longer than this are cut.
     reply_memo_entries: how many recent replies remember the exact token ids the model
-        generated, so the next turn's prompt re-uses those ids instead of re-tokenizing.
+        generated, so the next turn's prompt re-uses those ids instead of re-tokenizing (opt-in:
+        0, the default, tokenizes a reply's text as any engine does, so a chat's next turn is the
+        same prompt in every engine, process and replica; with a memo, a reply whose text
+        tokenizes otherwise (about one in eight on the default model) reuses all its KV, but the
+        next turn's prompt, and so its reply, then depends on this engine's history).
     moved_reuse: what to do with documents / plain text found cached at another position:
         "full" (default) recomputes them (exact-prefix reuse only: replies identical to no cache);
         "blend" (opt-in, approximate) re-rotates their keys and recomputes the `recompute_ratio`
@@ -97,7 +101,7 @@ class EngineConfig:
 
     cache_bytes: int = DEFAULT_CACHE_BYTES
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    reply_memo_entries: int = 512
+    reply_memo_entries: int = 0
     moved_reuse: str = "full"
     recompute_ratio: float = 0.15
     recompute_head_tokens: int = 16

@@ -140,6 +140,30 @@ def test_small_budget_evicts_but_never_exceeds_and_stays_exact(smol, cold_engine
     assert small.stats()["evictions"] > 0
 
 
+def test_a_next_turn_is_the_prompt_a_fresh_engine_tokenizes(smol):
+    """A reply whose text tokenizes otherwise than the ids that produced it (a markdown table, often
+    on random weights) was sent back as those ids: the next turn's prompt, and its reply, differed
+    from a fresh engine's (another process, a restart, another replica) and from transformers'.
+    By default a reply's text is tokenized as any engine does; the memo is opt-in."""
+    from tiny_models import tiny_model
+    tokenizer = smol[1]
+    for seed in range(4):
+        model = tiny_model("llama", seed=seed)
+        engine = Engine(model, tokenizer)
+        first = [{"role": "user", "content": "Hi"}]
+        reply = engine.chat(first, max_new_tokens=40)
+        again = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "ok"}]
+        ids = engine.encode_messages(again).token_ids
+        text = tokenizer.apply_chat_template(again, tokenize=False, add_generation_prompt=True)
+        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        fresh = Engine(model, tokenizer, cache_bytes=0)
+        assert engine.chat(again, max_new_tokens=12).token_ids == fresh.chat(again, max_new_tokens=12).token_ids
+    memo = Engine(model, tokenizer, reply_memo_entries=8)         # opt-in: the reply's own ids
+    reply = memo.chat(first, max_new_tokens=40)
+    again = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "ok"}]
+    assert memo.chat(again, max_new_tokens=2).reused_tokens >= reply.prompt_tokens + len(reply.token_ids) - 1
+
+
 def test_pinned_system_prompt_survives_pressure(smol):
     model, tokenizer = smol
     small = Engine(model, tokenizer, cache_bytes=400 * 46080)

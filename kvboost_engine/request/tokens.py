@@ -34,7 +34,7 @@ class PromptTokenizer:
     its text (which may tokenize differently), so the reply's cached KV matches token for token.
     """
 
-    def __init__(self, tokenizer, chunk_tokens: int, memo_entries: int = 512):
+    def __init__(self, tokenizer, chunk_tokens: int, memo_entries: int = 0):
         self.tokenizer = tokenizer
         self.chunk_tokens = chunk_tokens
         self.memo_entries = memo_entries
