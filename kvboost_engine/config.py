@@ -80,7 +80,7 @@ class EngineConfig:
     native_decode: a step (decode rows of every running sequence, or a prompt chunk) as one call
         into native code (kvboost_engine/native: every layer in AVX-512, AVX-VNNI or AVX2 kernels,
         no PyTorch op per norm or projection), for float32 models, models converted with
-        weights="int4" and GGUF files as stored (Llama, Mistral, Qwen2, Qwen3, Gemma 3 layouts, on
+        weights="int4" or "int8" and GGUF files as stored (Llama, Mistral, Qwen2, Qwen3, Gemma 3 layouts, on
         CPU). None (default): on where it can run (x86-64 Linux, AVX2 with FMA and F16C, a C++
         compiler for the one-time build), else the PyTorch layer loop; True: required (InputError
         with the reason where it cannot run); False: off. In float32 it is the same arithmetic in another order of

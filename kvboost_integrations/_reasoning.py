@@ -15,19 +15,20 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SWITCH = "enable_thinking"
 
 
-def thinking_kwargs(tokenizer, reasoning: bool | None, *, remote: bool = False) -> dict:
+def thinking_kwargs(tokenizer, reasoning: bool | None, *, remote: bool = False, name: str = "reasoning") -> dict:
     """Chat-template kwargs for `reasoning` (None: the template's default, nothing passed). Over an
-    endpoint the switch goes to the server's template. InputError when the template cannot honour it."""
+    endpoint the switch goes to the server's template. InputError when the template cannot honour it,
+    naming the caller's parameter (`name`: LangChain's reasoning, LlamaIndex's thinking)."""
     if reasoning is None:
         return {}
     if not isinstance(reasoning, bool):
-        raise InputError(f"reasoning must be True, False or None, got {reasoning!r}")
+        raise InputError(f"{name} must be True, False or None, got {reasoning!r}")
     template = _template(tokenizer)
     if remote or SWITCH in template:
         return {SWITCH: reasoning}
     if reasoning and THINK_OPEN in template:        # always thinks (the prompt opens the block): separate only
         return {}
-    raise InputError(f"reasoning={reasoning} needs a model whose chat template has a thinking switch "
+    raise InputError(f"{name}={reasoning} needs a model whose chat template has a thinking switch "
                      f"({SWITCH}, as Qwen3's) or thinks always; this model's template has neither")
 
 

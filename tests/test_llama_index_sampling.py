@@ -83,6 +83,16 @@ def test_timeout_cancels_a_request_sync_and_async(li_engine):
     with pytest.raises(TimeoutError):
         asyncio.run(llm.achat(HELLO))
     assert KVBoost(engine=li_engine, max_new_tokens=2, timeout=60).chat(HELLO).message.content
+    per_call = KVBoost(engine=li_engine, max_new_tokens=200, min_new_tokens=200)   # README: per call too
+    with pytest.raises(TimeoutError):
+        per_call.complete("Hi", timeout=0.3)
+    with pytest.raises(TimeoutError):
+        asyncio.run(per_call.achat(HELLO, timeout=0.3))
+    assert KVBoost(engine=li_engine, max_new_tokens=2, timeout=0.01).chat(HELLO, timeout=60).message.content
+    with pytest.raises(InputError, match="timeout must be"):
+        per_call.chat(HELLO, timeout=-1)
+    with pytest.raises(InputError, match="embedded engine"):
+        KVBoost(endpoint="http://127.0.0.1:9/v1").complete("Hi", timeout=5)
 
 
 def test_context_window_and_num_output_come_from_the_model_unless_given(li_engine):

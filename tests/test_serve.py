@@ -431,6 +431,8 @@ def test_protocol_maps_and_refuses_fields():
         assert param is None or refused.value.param == param, body
     with pytest.raises(BadRequest, match="logit_bias is not supported by this engine"):
         parse_chat({"messages": [doc], "logit_bias": {"5": 1}}, accepted - {"logit_bias"})
+    with pytest.raises(BadRequest, match="completions API takes logprobs"):         # it was ignored
+        parse_completion({"prompt": "P", "top_logprobs": 2}, accepted)
     with pytest.raises(BadRequest) as refused:
         parse_completion({"prompt": "P", "echo": True}, accepted)
     assert refused.value.param == "echo"

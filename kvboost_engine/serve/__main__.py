@@ -3,8 +3,9 @@
     python -m kvboost_engine.serve                         # the default model on 127.0.0.1:8000
     python -m kvboost_engine.serve --model ./my-model --port 8001 --api-key secret --max-running 8
 
-The API key may also come from KVBOOST_API_KEY. SIGTERM (or Ctrl-C) drains: no new connections (requests
-on open ones get 503), those in flight finish (up to --drain-timeout-s), then the process exits.
+The API key may also come from KVBOOST_API_KEY. SIGTERM (or Ctrl-C) drains: no new connections, idle
+ones closed (a request reaching the app meanwhile gets 503), those in flight finish (up to
+--drain-timeout-s), then the process exits.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
                    "to the network)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("KVBOOST_API_KEY"),
-                   help="require Authorization: Bearer <key> on /v1/* (default: $KVBOOST_API_KEY; unset: open)")
+                   help="require Authorization: Bearer <key> on /v1/* and /tokenize (default: $KVBOOST_API_KEY; unset: open)")
     p.add_argument("--max-running", type=int, default=None, help="requests batched together (engine default 16)")
     p.add_argument("--max-waiting", type=int, default=None, help="requests queued beyond the free slots before 429")
     p.add_argument("--queue-timeout-s", type=float, default=None, help="longest wait for a running slot")

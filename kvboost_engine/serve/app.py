@@ -58,7 +58,7 @@ class ServerState:
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, retry_after_s: int = RETRY_AFTER_S) -> Starlette:
     """The ASGI app serving `engine` under `model_name` (default: the engine's model name).
-    `api_key`: when set, /v1/* needs `Authorization: Bearer <api_key>`. `app.state.kvboost` is the
+    `api_key`: when set, /v1/* and /tokenize need `Authorization: Bearer <api_key>`. `app.state.kvboost` is the
     ServerState (set `.draining = True` to refuse new requests while in-flight ones finish)."""
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise InputError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")

@@ -107,6 +107,8 @@ def parse_completion(body, accepted: frozenset[str]) -> Call:
     for name, neutral in (("echo", False), ("suffix", None), ("best_of", 1)):
         if body.get(name) not in (None, neutral):
             raise BadRequest(f"{name} is not supported by this server", name)
+    if body.get("top_logprobs") is not None:      # it was accepted and ignored
+        raise BadRequest("top_logprobs is the chat API's field; the completions API takes logprobs=<n>", "top_logprobs")
     call = _common(body, "completion", prompt, accepted)
     logprobs = body.get("logprobs")             # the completions API: how many alternatives, or null
     if logprobs is not None:

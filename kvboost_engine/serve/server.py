@@ -1,10 +1,10 @@
 """Running the app on uvicorn: in the foreground (`python -m kvboost_engine.serve`) or on a thread
 (tests, notebooks, an app that embeds the server).
 
-Shutdown drains: on SIGTERM/SIGINT (or `stop()`), the app's draining flag is set first, so requests
-on connections already open get 503, then uvicorn stops listening (new connections are refused) and
-waits up to `drain_timeout_s` for the requests in flight to finish before it closes their
-connections (their requests are cancelled in the engine).
+Shutdown drains: on SIGTERM/SIGINT (or `stop()`), the app's draining flag is set first, so a request
+that reaches the app from then on gets 503; uvicorn stops listening (new connections are refused),
+closes idle keep-alive connections at once, and waits up to `drain_timeout_s` for the requests in
+flight to finish before it closes their connections (their requests are cancelled in the engine).
 """
 from __future__ import annotations
 

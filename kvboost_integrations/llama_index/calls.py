@@ -97,7 +97,7 @@ class EngineCall:
                                  "prompt has none")
             self.inside = False
             return {}
-        kwargs = thinking_kwargs(engine.tokenizer, self.reasoning, remote=is_remote(engine))
+        kwargs = thinking_kwargs(engine.tokenizer, self.reasoning, remote=is_remote(engine), name="thinking")
         if self.reasoning:
             self.inside = not is_remote(engine) and opens_thinking(engine.tokenizer, {**self.template_kwargs, **kwargs})
         return kwargs

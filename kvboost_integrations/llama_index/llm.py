@@ -184,13 +184,13 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         """A chat; with a custom messages_to_prompt (as HuggingFaceLLM takes) and no tools, its text
         goes in as a plain prompt (`custom`: not for complete(), which has completion_to_prompt)."""
         check_messages(messages)
-        kwargs = dict(kwargs)
+        kwargs, timeout = self._timeout(kwargs)
         if custom and self._custom_messages_to_prompt and not kwargs.get("tools"):
             thinking, grammar = kwargs.pop("thinking", self.thinking), kwargs.pop("constraint", None)
             for name in ("tools", "tool_choice", "document_order"):
                 kwargs.pop(name, None)
             return EngineCall(lambda: self.engine, self._params(kwargs), prompt=self.messages_to_prompt(messages),
-                              grammar=grammar, timeout=self.timeout, reasoning=thinking)
+                              grammar=grammar, timeout=timeout, reasoning=thinking)
         specs = tool_specs(kwargs.pop("tools", None) or [])
         choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"
         grammar = kwargs.pop("constraint", None)
@@ -200,7 +200,7 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
             raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")
         return EngineCall(lambda: self.engine, self._params(kwargs), chat=list(messages),
                           template_kwargs=self.template_kwargs, tools=specs if choice != "none" else None,
-                          tool_choice=choice, grammar=grammar, document_order=order, timeout=self.timeout,
+                          tool_choice=choice, grammar=grammar, document_order=order, timeout=timeout,
                           reasoning=thinking)
 
     def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> EngineCall:
@@ -210,12 +210,23 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
             raise InputError(f"complete() takes the prompt as a string, got {type(prompt).__name__} ({prompt!r:.60})")
         if formatted or self._custom_completion_to_prompt:
             text = prompt if formatted else self.completion_to_prompt(prompt)
-            kwargs = dict(kwargs)
+            kwargs, timeout = self._timeout(kwargs)
             thinking = kwargs.pop("thinking", self.thinking)
-            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text, timeout=self.timeout,
+            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=text, timeout=timeout,
                               reasoning=thinking)
         messages = self._extend_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
         return self._chat_call(messages, kwargs, custom=False)
+
+    def _timeout(self, kwargs: dict) -> tuple[dict, float | None]:
+        """(the call's kwargs without `timeout`, the call's timeout: its own, else the field's)."""
+        kwargs = dict(kwargs)
+        timeout = kwargs.pop("timeout", None)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise InputError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if timeout is not None and self.endpoint is not None:
+            raise InputError("timeout per call is for an embedded engine; with endpoint=, set KVBoost(timeout=...)")
+        return kwargs, self.timeout if timeout is None else timeout
 
     @staticmethod
     def _chats(call: EngineCall) -> ChatResponseGen:
