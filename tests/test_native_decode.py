@@ -477,6 +477,25 @@ def test_a_library_cut_short_is_built_again_not_mapped(tmp_path, monkeypatch, ke
 
 
 @needs_cpu
+def test_a_library_whole_in_length_but_damaged_is_built_again(tmp_path, monkeypatch):
+    """Its program headers overwritten (its length as the header says): the loader refused it on every
+    start and the native step was off for good (logged at INFO only), or a lesser variant ran."""
+    calls: list = []
+    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
+    real, _ = build.load()
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    path = build.library_path(build.compiler(), real.isa)
+    path.parent.mkdir(parents=True)
+    data = bytearray(Path(real._name).read_bytes())
+    data[64:64 + 224] = bytes(224)
+    path.write_bytes(bytes(data))
+    assert build._intact(path)
+    lib, reason = build.load(real.isa)
+    assert lib is not None and lib.isa == real.isa and calls == [path.name], reason
+
+
+@needs_cpu
 def test_a_compiler_that_cannot_run_is_a_reason(tmp_path, monkeypatch):
     """$CXX missing, or an executable that cannot run: a reason, not an exception out of Engine();
     $CXX with words after the compiler (a wrapper, flags) is used as a command line."""

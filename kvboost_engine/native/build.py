@@ -18,7 +18,7 @@ PyTorch ops use (a second runtime's threads would compete with them for the core
 Every version of the source leaves a library of its own (each upgrade, each benchmark's copy): a new
 build removes the libraries beside it that no process has loaded for STALE_DAYS (a load marks its
 library used) with their lock files, and staging files a killed build left. A process that found a
-library and then lost it to such a prune before opening it builds it again.
+library and then lost it to such a prune before opening it (or found it damaged) builds it again.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ ISAS = {
 ENV = "KVBOOST_NATIVE_ISA"
 STALE_DAYS = 30          # a library no process has loaded for this long goes when a new one is built
 PREFIX = "kvboost-decode-"
+DAMAGED = ("invalid ELF header", "no loadable segments", "file too short", "ELF load command")   # not noexec etc.
 log = logging.getLogger(__name__)
 _loaded: dict = {}
 _lock = threading.Lock()
@@ -203,9 +204,10 @@ def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str
         try:
             lib = ctypes.CDLL(str(path))
             break
-        except OSError as err:
-            if attempt == 0 and not path.exists():     # pruned by another process between the check and
-                continue                               # the load (unused for weeks until now): build it again
+        except OSError as err:      # pruned by another process between the check and the load, or damaged:
+            if attempt == 0 and (not path.exists() or any(m in str(err) for m in DAMAGED)):    # built again
+                path.unlink(missing_ok=True)
+                continue
             return None, f"loading {path.name} ({isa}) failed: {err}"
     if lib.kvb_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.kvb_abi_version()}, expected {ABI_VERSION}"
@@ -237,8 +239,7 @@ def _intact(path: Path) -> bool:
 
 
 def _mark_used(path: Path) -> None:
-    """The library's mtime set to now: loaded, so not stale (prune). Best effort: a read-only cache
-    still loads, and a library gone here fails to open, which the caller handles."""
+    """The library's mtime set to now: loaded, so not stale (prune). Best effort (a read-only cache)."""
     try:
         os.utime(path)
     except OSError:
