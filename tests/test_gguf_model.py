@@ -309,6 +309,19 @@ def test_a_damaged_pack_index_is_removed_and_the_next_load_repacks(tmp_path, mon
     assert model is not None
 
 
+@pytest.mark.parametrize("name, cut", [("config.json", 30), ("tokenizer.json", 0)])
+def test_a_damaged_config_or_tokenizer_of_a_pack_is_repacked(tmp_path, monkeypatch, name, cut):
+    """Only the weights file was checked: a cut config.json or tokenizer.json failed every load (OSError,
+    JSONDecodeError) and was never repaired."""
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    pack = packed_gguf_dir(path)
+    whole = (pack / name).read_bytes()
+    (pack / name).write_bytes(whole[:cut])
+    model, tokenizer = load_model_and_tokenizer(pack, device=CPU, dtype=F32)
+    assert model is not None and tokenizer is not None and (pack / name).read_bytes() == whole
+
+
 def _patched(path, tmp_path, key: str, value: int):
     """A copy of a GGUF with one uint32 metadata value changed (key, then its type id, then the value)."""
     data = bytearray(path.read_bytes())

@@ -268,11 +268,23 @@ def load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict)
                          f"{dtype} on {device.type}); pass weights='fp32' for a float model of it")
     if any(v is not None for v in awq_options.values()):
         raise InputError("layer streaming options are for AWQ checkpoints, not a GGUF")
-    config = compat.fix_loaded_config(AutoConfig.from_pretrained(source))
-    check_supported(config)
+
+    def opened(folder: Path):
+        """(model, tokenizer) of a packed folder; InputError when its files are damaged."""
+        try:
+            config = compat.fix_loaded_config(AutoConfig.from_pretrained(folder))
+        except (OSError, ValueError) as err:
+            raise InputError(f"{folder}: its config.json is unreadable ({err})") from err
+        check_supported(config)
+        model = load_packed_model(folder, config)
+        try:
+            return model, compat.load_tokenizer(folder)
+        except (OSError, ValueError) as err:        # a cut tokenizer.json: a JSONDecodeError, every load
+            raise InputError(f"{folder}: its tokenizer files are unreadable ({err})") from err
+
     try:
-        model = load_packed_model(source, config)
-    except InputError as err:                   # the cache file changed or is damaged: repack it once
+        return opened(source)
+    except InputError as err:                   # the cache's files changed or are damaged: repack it once
         try:
             gguf_path = json.loads((source / INDEX).read_text())["meta"].get("gguf")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -283,5 +295,4 @@ def load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict)
                              "loading the .gguf again repacks it") from err
         log.warning("%s; repacking %s", err, gguf_path)
         shutil.rmtree(source, ignore_errors=True)
-        model = load_packed_model(packed_gguf_dir(Path(gguf_path)), config)
-    return model, compat.load_tokenizer(source if source.is_dir() else model.kvboost_packed["dir"])
+        return opened(packed_gguf_dir(Path(gguf_path)))
