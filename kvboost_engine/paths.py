@@ -43,9 +43,20 @@ def staging_dir(parent: Path, prefix: str) -> Path:
 
 def build_folder(parent: Path) -> Path:
     """`parent`, made if absent, with the staging of builds killed over a day ago removed from it."""
-    parent.mkdir(parents=True, exist_ok=True)
+    made(parent)
     prune_staging(parent)
     return parent
+
+
+def made(folder: Path) -> Path:
+    """`folder`, made if absent; an OSError that says where the cache is and how to move it when it
+    cannot be (a read-only home, a file in the way)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise type(err)(err.errno, f"kvboost cannot make its cache folder {folder} ({err.strerror or err}); "
+                                   "set KVBOOST_HOME to a writable folder") from err
+    return folder
 
 
 def prune_staging(parent: Path, older_than_s: float = STALE_STAGING_S) -> list[str]:
@@ -97,7 +108,7 @@ def drop_superseded(target: Path, source: Path, marker: str, suffix: str = "") -
 def build_lock(target: Path):
     """Only one process builds `target` (a converted model, a pack file); the others wait, then
     reuse its result. Cross-platform (a lock file beside the target)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    made(target.parent)
     with FileLock(str(target.parent / f".{target.name}.lock")):
         yield
 

@@ -165,6 +165,18 @@ def test_fetch_checks_its_gguf_option_and_reports_file_system_errors(tmp_path, c
     assert capsys.readouterr().err.startswith("kvboost: ")
 
 
+def test_a_cache_home_that_cannot_be_made_says_how_to_move_it(tmp_path, monkeypatch):
+    """A raw NotADirectoryError / read-only OSError from deep in a load, with no word of KVBOOST_HOME."""
+    from kvboost_engine.paths import build_lock, made
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(NotADirectoryError, match="set KVBOOST_HOME to a writable folder"):
+        made(afile / "packed")
+    with pytest.raises(OSError, match=str(afile / "models")):
+        with build_lock(afile / "models" / "x"):
+            pass
+
+
 def test_a_server_refuses_a_port_another_process_holds(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

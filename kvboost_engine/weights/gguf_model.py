@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..model.building import building_model
-from ..paths import build_lock, cache_home, drop_superseded, staging_dir
+from ..paths import build_lock, cache_home, drop_superseded, made, staging_dir
 from .gguf_blocks import dequantize
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, check_gguf
@@ -93,7 +93,7 @@ def packed_gguf_dir(gguf_path: Path) -> Path:
                              f"(direct: {', '.join(DIRECT_ARCHITECTURES)})")
         # repacked one tensor at a time: the load after it maps about this much (module docstring of gguf_repack)
         check_fits(int(summary.weight_bytes * REPACK_GROWTH), f"{gguf_path.name} repacked")
-        target.parent.mkdir(parents=True, exist_ok=True)
+        made(target.parent)
         with build_lock(target):
             if not is_packed_dir(target):
                 _build(gguf_path, target)

@@ -27,7 +27,7 @@ import xxhash
 from torch import nn
 
 from ..errors import InputError
-from ..paths import build_lock, cache_home, drop_superseded
+from ..paths import build_lock, cache_home, drop_superseded, made
 from .formats import INT4_GROUP, quantize_int4_groups, quantize_int8_rows
 from .gguf_repack import fits_packed
 from .gguf_model import COMPLETE, DATA, EMBEDDING, HEAD, is_packed_dir, load_packed_model, skeleton, write_packed_dir
@@ -134,7 +134,7 @@ def packed_hf_dir(source: Path, fmt: str, config, tokenizer) -> Path | None:
         return None
     params = sum(p.numel() for p in model.parameters())
     check_fits(params * (BITS[fmt] + 8) // 8, f"{source.name} in weights={fmt!r}")     # codes, d, m: an upper bound
-    target.parent.mkdir(parents=True, exist_ok=True)
+    made(target.parent)
     with build_lock(target):
         if not is_packed_dir(target):
             _build(source, target, model, stored, plan, config, tokenizer, fmt)
