@@ -493,6 +493,15 @@ def test_a_library_whole_in_length_but_damaged_is_built_again(tmp_path, monkeypa
     assert build._intact(path)
     lib, reason = build.load(real.isa)
     assert lib is not None and lib.isa == real.isa and calls == [path.name], reason
+    # in a cache this process cannot write (shared, read-only): a reason, not an exception out of Engine()
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "ro"))
+    monkeypatch.setattr(build, "_loaded", {})
+    path = build.library_path(build.compiler(), real.isa)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(PermissionError(1, "ro")))
+    lib, reason = build.load(real.isa)
+    assert lib is None and "loading" in reason and len(calls) == 1
 
 
 @needs_cpu

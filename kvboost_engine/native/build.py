@@ -31,13 +31,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import xxhash
 
 from ..paths import build_lock, cache_home
 from . import abi
+from .library_files import STALE_DAYS  # noqa: F401 - the library files' rules, named here too
+from .library_files import DAMAGED, PREFIX, drop_refused as _drop, inode as _inode, intact as _intact, \
+    mark_used as _mark_used, prune
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 ABI_VERSION = 16
@@ -51,9 +53,6 @@ ISAS = {
     "avx2": (("-mavx2", "-mfma", "-mf16c", "-DKVB_ISA_AVX2"), ("avx2", "fma", "f16c")),
 }
 ENV = "KVBOOST_NATIVE_ISA"
-STALE_DAYS = 30          # a library no process has loaded for this long goes when a new one is built
-PREFIX = "kvboost-decode-"
-DAMAGED = ("invalid ELF header", "no loadable segments", "file too short", "ELF load command")   # not noexec etc.
 log = logging.getLogger(__name__)
 _loaded: dict = {}
 _lock = threading.Lock()
@@ -202,12 +201,12 @@ def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str
         except (OSError, subprocess.SubprocessError, RuntimeError) as err:
             return None, f"building {source.name} ({isa}) failed: {err}"
         try:
+            opened = _inode(path)
             lib = ctypes.CDLL(str(path))
             break
         except OSError as err:      # pruned by another process between the check and the load, or damaged:
-            if attempt == 0 and (not path.exists() or any(m in str(err) for m in DAMAGED)):    # built again
-                path.unlink(missing_ok=True)
-                continue
+            if attempt == 0 and (not path.exists() or any(m in str(err) for m in DAMAGED) and _drop(path, opened)):
+                continue            # built again
             return None, f"loading {path.name} ({isa}) failed: {err}"
     if lib.kvb_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.kvb_abi_version()}, expected {ABI_VERSION}"
@@ -219,70 +218,6 @@ def _build_and_open(isa: str, source: Path = SOURCE) -> tuple[object | None, str
     if lib.isa != isa:
         return None, f"{path} was built for {lib.isa}, not {isa}"
     return lib, None
-
-
-def _intact(path: Path) -> bool:
-    """Whether `path` is a whole 64-bit ELF file: present, and as long as its header says (its section
-    header table, which the linker writes last, ends the file), so a library cut short is never mapped."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-            size = os.fstat(f.fileno()).st_size
-    except OSError:
-        return False
-    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
-        return False
-    order = "little" if head[5] == 1 else "big"
-    shoff = int.from_bytes(head[0x28:0x30], order)
-    shentsize, shnum = int.from_bytes(head[0x3A:0x3C], order), int.from_bytes(head[0x3C:0x3E], order)
-    return size >= shoff + shentsize * shnum
-
-
-def _mark_used(path: Path) -> None:
-    """The library's mtime set to now: loaded, so not stale (prune). Best effort (a read-only cache)."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
-def prune(keep: Path, days: float = STALE_DAYS) -> list[str]:
-    """Remove from `keep`'s folder the libraries (other than `keep`) unused for `days` (by mtime: set
-    when built and at each load), their lock files and lock files as old with no library (a failed
-    build's), and the staging files of builds killed over a day ago; the names removed. Anything
-    another process removes first, or that cannot be removed, is passed over. A lock file is removed
-    only with its target unused for weeks: were a build of that target under way, a second process
-    could build it beside it, each into its own staging file, one replacing the other (the same bytes)."""
-    now = time.time()
-    cutoff, staging_cutoff = now - days * 86400, now - 86400
-    removed = []
-    try:
-        entries = list(keep.parent.iterdir())
-    except OSError:
-        return removed
-    names = {entry.name for entry in entries}
-    for entry in entries:
-        name = entry.name
-        if entry == keep:
-            continue
-        library = name.startswith(PREFIX) and name.endswith(".so")
-        orphan_lock = (name.startswith("." + PREFIX) and name.endswith(".so.lock")
-                       and name[1:-len(".lock")] not in names)
-        staging = name.startswith(".build-") and name.endswith(".so")
-        if not (library or orphan_lock or staging):
-            continue
-        try:
-            if entry.stat().st_mtime >= (staging_cutoff if staging else cutoff):
-                continue
-            entry.unlink()
-            removed.append(name)
-            if library:
-                (entry.parent / f".{name}.lock").unlink(missing_ok=True)
-        except OSError:
-            continue
-    if removed:
-        log.info("kvboost native: removed %d files unused for %s days from %s", len(removed), days, keep.parent)
-    return removed
 
 
 def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
