@@ -16,7 +16,8 @@ class WriteBehind:
     for the disk has a hard memory budget; `submit` refuses rather than blocks when it is full.
     The thread starts on a submit and ends once nothing was queued for IDLE_EXIT_S (the next submit
     starts another): a thread waiting for good would keep the tier, and so its engine's files, alive
-    after the engine was dropped without close().
+    after the engine was dropped without close(). Where no thread can start, the write happens on the
+    caller's thread.
     """
 
     IDLE_EXIT_S = 1.0
@@ -35,6 +36,7 @@ class WriteBehind:
         """Queue a write; False when closed or the byte bound is reached. A key already queued
         or being written is not queued twice (True), unless `supersedes(its args)` says these
         args replace it (they take its place in the queue, or follow the write in progress)."""
+        inline = False
         with self._cond:
             if self._closed:
                 return False
@@ -52,13 +54,21 @@ class WriteBehind:
                 thread = threading.Thread(target=self._run, name="kvboost-disk-writer", daemon=True)
                 try:
                     thread.start()
-                except BaseException:       # no thread (a process limit): nothing stays queued for none
-                    del self._queue[key]
-                    self.pending_bytes -= nbytes
-                    raise
-                self._thread = thread
+                    self._thread = thread
+                except BaseException as err:    # no thread (a process limit; Python 3.12 at interpreter exit,
+                    del self._queue[key]        # when the schedulers' last steps store): nothing queued for none,
+                    self.pending_bytes -= nbytes    # written here on the caller's thread
+                    if not isinstance(err, RuntimeError):
+                        raise
+                    inline = True
             self._cond.notify_all()
-            return True
+            if not inline:
+                return True
+        try:
+            self._write(key, *args)
+        except Exception:
+            log.exception("kvboost disk tier: write failed")
+        return True
 
     def lookup(self, key: bytes) -> tuple | None:
         """The args of `key` if it is queued or being written, else None."""
