@@ -284,19 +284,20 @@ class Engine:
                 "kv_dtype": str(self.adapter.geometry.dtype).removeprefix("torch.")}
 
     def memory(self) -> dict:
-        """Bytes this engine holds for KV, by holder: the pool, cached chunks, running requests,
-        pinned chunks, free; the cache budget; the disk tier's bytes and budget."""
+        """Bytes of KV by holder (pool, cached, running, pinned, free), the cache budget, the disk tier's."""
         return self.cache.memory()
 
     def close(self) -> None:
-        """Finish pending disk writes and release what the engine opened: the disk tier's writer, the
-        layer streamer of a model it loaded itself, the KV pool's memory and spill file, the native
-        step's memory. Later requests raise KVBoostError."""
+        """Finish pending disk writes and release what the engine opened: the disk tier's writer, the layer
+        streamer of a model it loaded itself, the KV pool's memory and spill file, the native step's memory
+        (once its thread has ended: closed by an observer, by a later close()). Later requests: KVBoostError."""
         with self._closing:
             first, self._closed = not self._closed, True
-        if not first:                       # returns once the first caller is done (writes flushed), or
-            if not self._scheduler.on_thread():     # at once from an observer (the first waits for its thread)
+        if not first:                       # returns once the first caller is done (writes flushed), or at
+            if not self._scheduler.on_thread():     # once from an observer (the first waits for its thread)
                 self._closed_done.wait()
+                self._scheduler.close()     # joined: then what an observer's close could not free goes
+                release_closed(None, self._native, self.cache.pool, idle=True)
             return
         try:
             self._scheduler.close()

@@ -160,6 +160,26 @@ def test_an_observer_closing_the_engine_during_a_close_does_not_deadlock(tiny):
     assert len(ended) == 1 and "closed" in str(ended[0])
 
 
+def test_what_an_observers_close_could_not_free_goes_with_a_later_close(tiny):
+    """close() from an observer (on the scheduler thread, inside a step) cannot free the KV pool or the
+    native step's memory; a later close() from another thread did not either (it only waited)."""
+    engine = Engine(*tiny)
+    closed = threading.Event()
+
+    def observer(event):
+        if isinstance(event, ForwardEvent) and not closed.is_set():
+            engine.close()
+            closed.set()
+
+    engine.instruments.subscribe(observer)
+    with pytest.raises(KVBoostError):
+        engine.generate("Hello there", max_new_tokens=20)
+    assert closed.wait(30) and engine.cache.pool.ram.numel() > 0          # still held: its step was running
+    assert _finishes(engine.close, 30)
+    assert engine.cache.pool.ram.numel() == 0 and engine.memory()["pool_bytes"] == 0
+    assert engine._native is None or engine._native._handle is None
+
+
 def test_a_second_close_returns_after_the_writes_are_flushed(tiny, tmp_path, monkeypatch):
     import kvboost_engine.kv.disk.tier as tier_module
     engine = Engine(*tiny, disk_cache_dir=str(tmp_path))

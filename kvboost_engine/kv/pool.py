@@ -140,6 +140,8 @@ class BlockPool:
         its engine closed, no block is read or written again."""
         with self._lock:
             self.ram, self.spill = self.ram.new_empty(0), None
+            self.ram_blocks = self.spill_blocks = 0         # memory() and stats() count none any more
+            self.refs = self.refs[:, :0]
             if self._close_spill is not None:
                 self._close_spill()             # once: the finalizer does not close the number again
 
