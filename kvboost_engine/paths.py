@@ -120,7 +120,8 @@ def publish(target: Path, write, marker: str, note: str) -> None:
     OSError naming `target`; the staging goes."""
     from safetensors import SafetensorError
     staging = staging_dir(target.parent, ".convert-")
-    try:
+    aside = staging.with_name(staging.name + "-old")    # an older entry goes aside in one rename: a reader
+    try:                                                # never meets it half deleted (no SUMS, taken whole)
         try:
             write(staging)
         except SafetensorError as err:
@@ -128,10 +129,11 @@ def publish(target: Path, write, marker: str, note: str) -> None:
         (staging / SUMS).write_text(json.dumps({f.name: [f.stat().st_size, _checksum(f)] for f in _files(staging)}))
         (staging / marker).write_text(note)
         if target.exists():
-            shutil.rmtree(target)
+            os.replace(target, aside)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def published(target: Path, marker: str) -> bool:
@@ -143,6 +145,8 @@ def published(target: Path, marker: str) -> bool:
         if stamp in _WHOLE:
             return True
         sums = json.loads((target / SUMS).read_text()) if (target / SUMS).exists() else {}
+        if not isinstance(sums, dict):
+            raise ValueError(f"{SUMS} holds {type(sums).__name__}, not a map")
         for name, (size, digest) in sums.items():
             path = target / name
             if not path.is_file() or path.stat().st_size != size or _checksum(path) != digest:

@@ -180,6 +180,12 @@ def test_a_damaged_conversion_is_converted_again(tmp_path, monkeypatch, caplog):
         assert "is damaged" in caplog.text and weights.read_bytes() == good
         caplog.clear()
     monkeypatch.setattr(paths, "_WHOLE", set())
+    sums = (target / paths.SUMS).read_text()
+    for odd in ("null", "[]", '"x"', '{"model.safetensors": 3}'):      # an odd checksum file: built again
+        (target / paths.SUMS).write_text(odd)
+        assert not paths.published(target, ".kvboost-complete")
+    (target / paths.SUMS).write_text(sums)
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(".convert-")]    # nothing left aside
     import kvboost_engine.loading as loading
     monkeypatch.setattr(loading, "publish", lambda *a: pytest.fail("converted a whole folder again"))
     assert converted_gguf_dir(path) == target

@@ -146,7 +146,11 @@ def test_a_request_that_fits_the_pool_alone_runs_next_to_a_split_chunk(smol):
         engine = Engine(model, tokenizer, cache_bytes=cache, kv_pool_bytes=pool)
         engine.generate(first, max_new_tokens=1)
         engine.generate(head + " a mat while the dogs ran", max_new_tokens=1)      # splits the first chunk
-        replies.append(engine.generate(long, max_new_tokens=room, min_new_tokens=room).token_ids)
+        before = engine.stats()
+        out = engine.generate(long, max_new_tokens=room, min_new_tokens=room)
+        replies.append(out.token_ids)
+        after = engine.stats()                           # the match given back counts as the miss it became
+        assert out.reused_tokens == 0 and after["hit_tokens"] == before["hit_tokens"]
         assert engine.cache.pool.usage()["in_use"] == 0
         engine.cache.check_invariants()
     assert replies[0] == replies[1]

@@ -14,7 +14,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from kvboost_engine import Engine  # noqa: E402
+from kvboost_engine import Engine, InputError  # noqa: E402
 from kvboost_engine.serve import Server, create_app  # noqa: E402
 
 KEY = "test-key"
@@ -386,6 +386,25 @@ def test_field_values_are_refused_under_the_clients_names():
         with pytest.raises(BadRequest) as refused:
             parse_chat({"messages": msgs, **fields}, engine_parameters())
         assert refused.value.param == param and str(refused.value).startswith(param), fields
+
+
+def test_template_switches_are_booleans_on_every_route(served):
+    """/tokenize read a top-level continue_final_message "false" as true (33 tokens, not 35); a null
+    switch is unset, not refused; the engine checks continue_final_message in template_kwargs too."""
+    engine, server = served
+    url, headers = server.url.removesuffix("/v1") + "/tokenize", {"Authorization": f"Bearer {KEY}"}
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    count = lambda body: httpx.post(url, json={"messages": msgs, **body}, headers=headers, timeout=30)  # noqa: E731
+    plain = count({}).json()["count"]
+    assert count({"continue_final_message": None, "add_generation_prompt": None}).json()["count"] == plain
+    for body in ({"continue_final_message": "false"}, {"add_generation_prompt": "no"},
+                 {"chat_template_kwargs": {"continue_final_message": 1}}):
+        refused = count(body)
+        assert refused.status_code == 400 and "must be a boolean" in refused.json()["error"]["message"], body
+    chat = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "chat_template_kwargs": {"add_generation_prompt": None}}
+    assert _post(server, "/chat/completions", chat).status_code == 200
+    with pytest.raises(InputError, match="continue_final_message must be a bool"):
+        engine.encode_messages(msgs, continue_final_message="yes")
 
 
 def test_a_streamed_chunk_carries_usage_null_when_usage_is_asked(served):

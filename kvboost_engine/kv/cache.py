@@ -98,6 +98,7 @@ class ChunkCache:
         self.counters.hits += bool(match.spans)
         self.counters.misses += not match.spans
         self.counters.hit_tokens += offset
+        match.counted = offset
         return match
 
     def _drop_subtree(self, node) -> None:
@@ -121,6 +122,19 @@ class ChunkCache:
     def release(self, table) -> None:
         """Give back the references a match handed out."""
         self.pool.release([b for b in table if b is not None])
+
+    def give_back(self, match: Match) -> None:
+        """A match not used after all (its request computes the prompt whole): its references back, and
+        the lookup counted as the miss it became."""
+        self.release(match.table)
+        with self._lock:
+            if match.counted:
+                self.counters.hits -= 1
+                self.counters.misses += 1
+                self.counters.hit_tokens -= match.counted
+                match.counted = 0
+        match.table.clear()
+        match.spans.clear()
 
     def match_moved(self, tokens: list[int], chunk_ends: list[int], chunk_kinds: list[str],
                     start: int, limit: int) -> list[KVSpan]:

@@ -24,6 +24,7 @@ class Match:
 
     spans: list[KVSpan] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
+    counted: int = 0            # the tokens the lookup counted as hit (ChunkCache.give_back takes them back)
 
     @property
     def length(self) -> int:

@@ -306,7 +306,7 @@ class Decoding:
 
 def _remember_reply(parts: EngineParts, gen: Generation, text: TextAssembler) -> None:
     """Remember which ids produced the reply text, so the next turn re-uses them exactly."""
-    if not gen.text:
+    if not gen.text or not parts.prompt_tokenizer.memo_entries:
         return
     ids = [t for t in gen.token_ids if t not in parts.eos_ids]
     if text.stopped_at is not None:

@@ -168,9 +168,7 @@ def _sequence(parts: PrefillParts, match: Match, capacity: int, may_drop: bool =
         # Still short: the matched chunks hold blocks eviction cannot reach while this request maps
         # them (a chunk split by another branch keeps a copy of its first block): give the whole
         # match back and compute the prompt from its start (a request that fits alone runs).
-        parts.cache.release(match.table)
-        match.table.clear()
-        match.spans.clear()
+        parts.cache.give_back(match)
         own = -(-capacity // b)
         parts.cache.make_room(own)
     sequence = PagedSequence(pool, capacity)

@@ -135,8 +135,10 @@ class ChatRenderer:
             raise InputError("messages must be a list of {'role', 'content'} dicts")
         if not messages:
             raise InputError("messages is empty")
-        if not isinstance(add_generation_prompt, bool):      # Jinja would take "false" as true
-            raise InputError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", template_kwargs.get("continue_final_message", False))):
+            if not isinstance(value, bool):         # Jinja would take "false" as true
+                raise InputError(f"{name} must be a bool, got {value!r}")
         parts = [message_parts(m, i) for i, m in enumerate(messages)]
         if not any(seg.text for msg in parts for seg in msg):
             raise InputError("all messages are empty")

@@ -29,9 +29,10 @@ class PromptTokenizer:
     Segment edges are always chunk edges; inside a segment, cuts are content-defined
     (see chunking.py), at most `chunk_tokens` apart.
 
-    It also remembers the exact ids the model generated for recent replies: when a reply comes
-    back as an assistant message in the next turn, those ids are used instead of re-tokenizing
-    its text (which may tokenize differently), so the reply's cached KV matches token for token.
+    With `memo_entries` (opt-in: EngineConfig.reply_memo_entries) it also remembers the exact ids the
+    model generated for recent replies: when a reply comes back as an assistant message in the next
+    turn, those ids are used instead of re-tokenizing its text (which may tokenize differently), so
+    the reply's cached KV matches token for token, and the prompt depends on this engine's history.
     """
 
     def __init__(self, tokenizer, chunk_tokens: int, memo_entries: int = 0):

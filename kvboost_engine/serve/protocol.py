@@ -31,6 +31,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logprobs", "top_logp
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "response_format", "tools", "tool_choice", "chat_template_kwargs")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 PART_TYPES = ("text", "document")
+SWITCHES = ("add_generation_prompt", "continue_final_message")    # chat template booleans
 DEFAULT_TEMPERATURE = 1.0           # OpenAI's default when a request does not say
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000   # each token is checked against every stop string (OpenAI allows 4)
 
@@ -80,9 +81,7 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
     if call.template_kwargs and "chat_template" in call.template_kwargs:
         raise BadRequest("chat_template_kwargs.chat_template is not accepted: this server renders chats with its "
                          "model's own template", "chat_template_kwargs.chat_template")
-    for name in ("add_generation_prompt", "continue_final_message"):
-        if call.template_kwargs and not isinstance(call.template_kwargs.get(name, False), bool):
-            raise BadRequest(f"chat_template_kwargs.{name} must be a boolean", f"chat_template_kwargs.{name}")
+    call.template_kwargs = template_switches(call.template_kwargs)
     constraint = response_constraint(body.get("response_format"))
     if constraint is not None:
         call.params["constraint"] = constraint
@@ -94,6 +93,18 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
     elif body.get("top_logprobs"):
         raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
     return call
+
+
+def template_switches(template_kwargs: dict | None, where: str = "chat_template_kwargs.") -> dict | None:
+    """`template_kwargs` with its add_generation_prompt / continue_final_message checked as booleans (a
+    string "false" reads as true in Jinja) and null ones left out (unset)."""
+    if not template_kwargs:
+        return template_kwargs
+    for name in SWITCHES:
+        if template_kwargs.get(name) is not None and not isinstance(template_kwargs[name], bool):
+            raise BadRequest(f"{where}{name} must be a boolean", f"{where}{name}")
+    return {k: v for k, v in template_kwargs.items() if v is not None or k not in SWITCHES}
+
 
 
 def parse_completion(body, accepted: frozenset[str]) -> Call:

@@ -10,7 +10,7 @@ rendering as /v1/chat/completions (document parts, tools), so `count` is that re
 from __future__ import annotations
 
 from ..engine import Engine
-from .protocol import BadRequest, Call, check_message
+from .protocol import SWITCHES, BadRequest, Call, check_message, template_switches
 from .tools import prepare_tools
 
 TOKENIZE_FIELDS = ("model", "prompt", "add_special_tokens", "messages", "add_generation_prompt", "tools",
@@ -53,11 +53,10 @@ def _chat_ids(engine: Engine, body: dict) -> list[int]:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
-    template_kwargs = dict(template_kwargs)     # its add_generation_prompt, as the chat route reads it
-    generation_prompt = template_kwargs.pop("add_generation_prompt", body.get("add_generation_prompt", True))
-    if not isinstance(generation_prompt, bool):
-        raise BadRequest("add_generation_prompt must be a boolean", "add_generation_prompt")
-    if body.get("continue_final_message"):
+    template_kwargs = dict(template_switches(template_kwargs))  # its add_generation_prompt, as the chat route reads it
+    switches = template_switches({name: body.get(name) for name in SWITCHES}, "")
+    generation_prompt = template_kwargs.pop("add_generation_prompt", switches.get("add_generation_prompt", True))
+    if switches.get("continue_final_message"):
         template_kwargs = {**template_kwargs, "continue_final_message": True}
     call = Call("chat", None, messages, template_kwargs=template_kwargs)
     prepare_tools(call, body.get("tools"), None, engine.tokenizer)

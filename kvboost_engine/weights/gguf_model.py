@@ -271,15 +271,15 @@ def load_packed(source: Path, device, dtype, fmt: str | None, awq_options: dict)
 
     def opened(folder: Path):
         """(model, tokenizer) of a packed folder; InputError when its files are damaged."""
-        try:
-            config = compat.fix_loaded_config(AutoConfig.from_pretrained(folder))
-        except (OSError, ValueError) as err:
+        try:            # transformers' error for a file absent or not JSON; a model type it does not know
+            config = compat.fix_loaded_config(AutoConfig.from_pretrained(folder))   # (ValueError) is not damage
+        except OSError as err:
             raise InputError(f"{folder}: its config.json is unreadable ({err})") from err
         check_supported(config)
         model = load_packed_model(folder, config)
         try:
             return model, compat.load_tokenizer(folder)
-        except (OSError, ValueError) as err:        # a cut tokenizer.json: a JSONDecodeError, every load
+        except (OSError, json.JSONDecodeError) as err:      # a cut tokenizer.json failed every load
             raise InputError(f"{folder}: its tokenizer files are unreadable ({err})") from err
 
     try:
