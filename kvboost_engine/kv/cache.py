@@ -128,13 +128,10 @@ class ChunkCache:
         the lookup counted as the miss it became."""
         self.release(match.table)
         with self._lock:
+            c = self.counters
             if match.counted:
-                self.counters.hits -= 1
-                self.counters.misses += 1
-                self.counters.hit_tokens -= match.counted
-                match.counted = 0
-        match.table.clear()
-        match.spans.clear()
+                c.hits, c.misses, c.hit_tokens, match.counted = c.hits - 1, c.misses + 1, c.hit_tokens - match.counted, 0
+        match.table[:], match.spans[:] = [], []
 
     def match_moved(self, tokens: list[int], chunk_ends: list[int], chunk_kinds: list[str],
                     start: int, limit: int) -> list[KVSpan]:
