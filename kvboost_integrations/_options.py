@@ -46,3 +46,20 @@ def engine_options(engine_kwargs: dict | None = None, **named) -> dict:
     if doubled:
         raise InputError(f"{', '.join(doubled)} given both as a field and in engine_kwargs")
     return {name: value for name, value in {**named, **extra}.items() if value is not None}
+
+
+def local_options(owner) -> dict:
+    """The engine options of a framework object that loads its own engine: its fields, engine_kwargs."""
+    return engine_options(owner.engine_kwargs, device=owner.device, dtype=owner.dtype, cache_bytes=owner.cache_bytes,
+                          chunk_tokens=owner.chunk_tokens, moved_reuse=owner.moved_reuse)
+
+
+def check_engine_values(options: dict) -> None:
+    """InputError for a bad engine option value when a framework object is built (it failed at the first
+    call): the checks Engine.from_pretrained runs before it loads anything."""
+    from kvboost_engine.config import engine_config
+    from kvboost_engine.weights.quantized import check_weights_format
+    from kvboost_engine.wiring import check_device, resolve_dtype
+    engine_config(None, {name: value for name, value in options.items() if name not in LOAD_OPTIONS})
+    device = check_device(options.get("device"))
+    check_weights_format(options.get("weights"), resolve_dtype(options.get("dtype"), device), device)

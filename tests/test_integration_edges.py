@@ -132,3 +132,17 @@ def test_a_custom_messages_to_prompt_is_used(engine):
     assert calls == [1]
     assert reply.raw["usage"]["prompt_tokens"] == engine.count_tokens("<user>Hi\n<assistant>")
     assert llm.complete("Hi").text and calls == [1]              # complete() has completion_to_prompt
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(moved_reuse="fast"), "moved_reuse must be one of"), (dict(chunk_tokens=0), "chunk_tokens"),
+    (dict(device="tpu"), "device must be"), (dict(engine_kwargs={"bogus": 1}), "unknown engine option"),
+    (dict(engine_kwargs={"weights": "int9"}), "weights must be one of"),
+    (dict(engine_kwargs={"kv_dtype": "float8"}), "kv_dtype")])
+def test_a_bad_engine_option_is_refused_when_the_class_is_built(options, match):
+    """They were checked only when the engine loaded, at the first call (sampling values were refused
+    at construction, as the README says of every parameter)."""
+    for cls in (ChatKVBoost, KVBoost):
+        with pytest.raises(ValueError, match=match):
+            cls(**options)
+    assert ChatKVBoost(cache_bytes=2**20, engine_kwargs={"weights": "int4"})._engine is None     # nothing loaded

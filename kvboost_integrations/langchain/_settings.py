@@ -11,7 +11,7 @@ from kvboost_engine import Engine, Generation
 from kvboost_engine.loading import DEFAULT_MODEL_NAME
 
 from .._bridge import generation_metadata, resolve_engine, token_ids
-from .._options import check_arguments, engine_options
+from .._options import check_arguments, check_engine_values, local_options
 from .._sampling import CONTROLS, check_values, engine_params
 from ..remote import RemoteEngine, connect
 
@@ -103,6 +103,8 @@ class KVBoostSettings(BaseModel):
     @model_validator(mode="after")
     def _sampling_values(self) -> "KVBoostSettings":
         check_values(self.sampling_params(None, {}))            # a bad value fails here, not at the first call
+        if self.endpoint is None and self.engine is None:
+            check_engine_values(local_options(self))            # an engine option's too
         return self
 
     @model_validator(mode="after")
@@ -144,10 +146,7 @@ class KVBoostSettings(BaseModel):
                                    timeout=self.timeout, max_retries=self.max_retries, options=self.engine_kwargs,
                                    document_order=_set_order(self))
         if self._engine is None:
-            options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
-                                     cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
-                                     moved_reuse=self.moved_reuse)
-            self._engine = resolve_engine(self.engine, self.model, options)
+            self._engine = resolve_engine(self.engine, self.model, local_options(self))
         return self._engine
 
     def __getstate__(self) -> dict:

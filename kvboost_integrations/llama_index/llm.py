@@ -24,7 +24,7 @@ from llama_index.core.llms.llm import ToolSelection, default_completion_to_promp
 from kvboost_engine import Engine, InputError
 
 from .._bridge import resolve_engine
-from .._options import check_arguments, engine_options
+from .._options import check_arguments, check_engine_values, local_options
 from .._sampling import check_values
 from .sampling import SamplingSettings
 from ..remote import RemoteEngine, connect
@@ -104,6 +104,8 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         self._custom_completion_to_prompt = self.completion_to_prompt is not default_completion_to_prompt
         self._custom_messages_to_prompt = self.messages_to_prompt is not generic_messages_to_prompt
         check_values(self._params({}))          # a bad value (or additional_kwargs name) fails here, not later
+        if self.endpoint is None and engine is None:
+            check_engine_values(local_options(self))     # an engine option's too
 
     @classmethod
     def class_name(cls) -> str:
@@ -134,10 +136,7 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
                                    timeout=self.timeout, options=self.engine_kwargs,
                                    document_order=_set_order(self))
         if self._engine is None:
-            options = engine_options(self.engine_kwargs, device=self.device, dtype=self.dtype,
-                                     cache_bytes=self.cache_bytes, chunk_tokens=self.chunk_tokens,
-                                     moved_reuse=self.moved_reuse)
-            self._engine = resolve_engine(None, self.model, options)
+            self._engine = resolve_engine(None, self.model, local_options(self))
         return self._engine
 
     @property
