@@ -456,24 +456,34 @@ def test_int4_requests_decoding_together_match_each_alone():
     assert engine.stats()["native_fallback_steps"] == {}      # every step native, alone or together
 
 
+def _library_in_a_new_home(home, monkeypatch, calls: list, content) -> tuple:
+    """(this machine's loaded library, the path of its copy in `home`, a fresh $KVBOOST_HOME holding
+    `content(its bytes)` there); builds into `calls` only copy the real one."""
+    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
+    real, _ = build.load()
+    monkeypatch.setenv("KVBOOST_HOME", str(home))
+    monkeypatch.setattr(build, "_loaded", {})
+    path = build.library_path(build.compiler(), real.isa)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content(Path(real._name).read_bytes()))
+    return real, path
+
+
 @needs_cpu
 @pytest.mark.parametrize("keep", [0, 65536])
 def test_a_library_cut_short_is_built_again_not_mapped(tmp_path, monkeypatch, keep):
     """A library left short at its name (a crash mid-write, a partial copy of the cache) is removed
     and built again: mapped, it killed the process (SIGBUS), or, empty, moved to the next variant."""
     calls: list = []
-    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
-    real, _ = build.load()
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
-    monkeypatch.setattr(build, "_loaded", {})
-    path = build.library_path(build.compiler(), real.isa)
-    path.parent.mkdir(parents=True)
-    with open(real._name, "rb") as whole:
-        path.write_bytes(whole.read(keep))
+    real, path = _library_in_a_new_home(tmp_path, monkeypatch, calls, lambda whole: whole[:keep])
     assert not build._intact(path) and build._intact(Path(real._name))
     lib, reason = build.load(real.isa)
     assert lib is not None and lib.isa == real.isa and calls == [path.name], reason
     assert build._intact(path)
+
+
+def _headers_overwritten(whole: bytes) -> bytes:
+    return whole[:64] + bytes(224) + whole[64 + 224:]
 
 
 @needs_cpu
@@ -481,24 +491,12 @@ def test_a_library_whole_in_length_but_damaged_is_built_again(tmp_path, monkeypa
     """Its program headers overwritten (its length as the header says): the loader refused it on every
     start and the native step was off for good (logged at INFO only), or a lesser variant ran."""
     calls: list = []
-    monkeypatch.setattr(build, "_compile", _copy_compile(calls))
-    real, _ = build.load()
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
-    monkeypatch.setattr(build, "_loaded", {})
-    path = build.library_path(build.compiler(), real.isa)
-    path.parent.mkdir(parents=True)
-    data = bytearray(Path(real._name).read_bytes())
-    data[64:64 + 224] = bytes(224)
-    path.write_bytes(bytes(data))
+    real, path = _library_in_a_new_home(tmp_path, monkeypatch, calls, _headers_overwritten)
     assert build._intact(path)
     lib, reason = build.load(real.isa)
     assert lib is not None and lib.isa == real.isa and calls == [path.name], reason
     # in a cache this process cannot write (shared, read-only): a reason, not an exception out of Engine()
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "ro"))
-    monkeypatch.setattr(build, "_loaded", {})
-    path = build.library_path(build.compiler(), real.isa)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(bytes(data))
+    _library_in_a_new_home(tmp_path / "ro", monkeypatch, calls, _headers_overwritten)
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(PermissionError(1, "ro")))
     lib, reason = build.load(real.isa)
     assert lib is None and "loading" in reason and len(calls) == 1
