@@ -9,13 +9,13 @@ from .engine import Engine
 from .errors import (BudgetError, ContextWindowError, InputError, KVBoostError, ModelNotFoundError,
                      QueueFullError, RequestTimeoutError, UnsupportedModelError)
 from .instrument import FirstTokenEvent, ForwardEvent, Instruments
-from .registry import shared_engine
+from .registry import release_shared_engines, shared_engine
 from .request.generation import Generation, GenerationStream
 from .request.logprobs import TextDelta
 from .request.prompt import Segment
 
 __all__ = [
-    "Engine", "EngineConfig", "shared_engine", "Generation", "GenerationStream", "Segment", "TextDelta",
+    "Engine", "EngineConfig", "shared_engine", "release_shared_engines", "Generation", "GenerationStream", "Segment", "TextDelta",
     "KVBoostError", "InputError", "ContextWindowError", "ModelNotFoundError",
     "UnsupportedModelError", "BudgetError", "QueueFullError", "RequestTimeoutError", "Instruments", "ForwardEvent", "FirstTokenEvent",
 ]

@@ -27,22 +27,41 @@ class EngineRegistry:
         key = _key(model, options)
         with self._lock:
             engine = self._engines.get(key)
-            if engine is not None and not getattr(engine, "_closed", False):
+            if usable(engine):
                 return engine
             loading = self._loading.setdefault(key, threading.Lock())
         with loading:
             with self._lock:
                 engine = self._engines.get(key)
-                if engine is not None and not getattr(engine, "_closed", False):
+                if usable(engine):
                     return engine
             engine = Engine.from_pretrained(model, **options)
             with self._lock:
                 self._engines[key] = engine
             return engine
 
-    def clear(self) -> None:
+    def release(self, model=None, **options) -> int:
+        """Close and forget shared engines: every one (no arguments), or the one of `model` and
+        `options` (as given to `get`). Returns how many were closed. A caller still holding one gets
+        KVBoostError from it; the framework classes look theirs up again (loaded anew on next use)."""
         with self._lock:
-            self._engines.clear()
+            if model is None and not options:
+                engines, self._engines = list(self._engines.values()), {}
+            else:
+                engine = self._engines.pop(_key(model, options), None)
+                engines = [] if engine is None else [engine]
+        for engine in engines:
+            engine.close()                  # outside the lock: close waits for the engine's requests
+        return len(engines)
+
+    def clear(self) -> None:
+        """Close and forget every engine (`release()`)."""
+        self.release()
+
+
+def usable(engine) -> bool:
+    """Whether a shared engine handed out earlier can still be used (it was not closed)."""
+    return engine is not None and not getattr(engine, "_closed", False)
 
 
 def _key(model, options: dict) -> tuple:
@@ -59,3 +78,9 @@ _REGISTRY = EngineRegistry()
 def shared_engine(model=None, **options) -> Engine:
     """The process-wide engine for `model` and `options` (loaded on first use)."""
     return _REGISTRY.get(model, **options)
+
+
+def release_shared_engines(model=None, **options) -> int:
+    """Close the process-wide engines (all, or the one of `model` and `options`) and free their memory;
+    the next user of those settings loads a new one. Returns how many were closed."""
+    return _REGISTRY.release(model, **options)

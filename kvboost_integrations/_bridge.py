@@ -15,13 +15,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from kvboost_engine import Engine, Generation, GenerationStream, shared_engine
+from kvboost_engine.registry import usable
 from kvboost_engine.request.tokens import TokenizedPrompt
 
 
-def resolve_engine(engine: Engine | None, model=None, options: dict | None = None) -> Engine:
-    """`engine` if given, else the process-wide engine for `model` and `options`."""
+def resolve_engine(engine: Engine | None, model=None, options: dict | None = None, held=None) -> Engine:
+    """`engine` if given, else `held` (the shared engine found before) while it is open, else the
+    process-wide engine for `model` and `options` (a closed or released one is looked up again)."""
     if engine is not None:
         return engine
+    if usable(held):
+        return held
     return shared_engine(model, **(options or {}))
 
 

@@ -73,6 +73,9 @@ class _Loaded:
     def __init__(self):
         self._closed = False
 
+    def close(self):
+        self._closed = True
+
 
 def test_the_registry_reloads_a_closed_engine_and_loads_keys_apart(monkeypatch):
     slow = threading.Event()
@@ -95,6 +98,32 @@ def test_the_registry_reloads_a_closed_engine_and_loads_keys_apart(monkeypatch):
     assert time.perf_counter() - started < 1
     slow.set()
     loading_thread.join()
+
+
+def test_released_shared_engines_are_closed_and_framework_objects_load_theirs_again(monkeypatch, smol):
+    """There was no way to free a shared engine (each option set kept its model and KV pool for the
+    process's life), and a framework object whose shared engine was closed raised at every call."""
+    from kvboost_engine import registry as registry_module, release_shared_engines
+    from kvboost_integrations.langchain import ChatKVBoost
+    from kvboost_integrations.llama_index import KVBoost
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda model=None, **options: _Loaded()))
+    monkeypatch.setattr(registry_module, "_REGISTRY", EngineRegistry())
+    chat, index_llm = ChatKVBoost(model="m", cache_bytes=2**20), KVBoost(model="m", cache_bytes=2**20)
+    first = chat.get_engine()
+    other = registry_module.shared_engine("n")
+    assert index_llm.engine is first
+    assert release_shared_engines("m") == 0                     # another option set: nothing released
+    assert release_shared_engines("m", cache_bytes=2**20) == 1 and first._closed and not other._closed
+    second = chat.get_engine()
+    assert second is not first and index_llm.engine is second
+    second.close()                                              # closed by a user: looked up again too
+    third = index_llm.engine
+    assert third is not second and chat.get_engine() is third
+    assert release_shared_engines() == 2 and third._closed and other._closed
+    mine = Engine(*smol, cache_bytes=0)
+    given, given_index = ChatKVBoost(engine=mine), KVBoost(engine=mine)
+    mine.close()                                                # one the user gave stays theirs
+    assert given.get_engine() is mine and given_index.engine is mine
 
 
 def test_closing_one_subscription_leaves_another_of_the_same_callback():

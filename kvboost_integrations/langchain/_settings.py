@@ -145,8 +145,8 @@ class KVBoostSettings(BaseModel):
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
                                    timeout=self.timeout, max_retries=self.max_retries, options=self.engine_kwargs,
                                    document_order=_set_order(self))
-        if self._engine is None:
-            self._engine = resolve_engine(self.engine, self.model, local_options(self))
+        if self.endpoint is None:           # a shared engine closed or released meanwhile is looked up again
+            self._engine = resolve_engine(self.engine, self.model, local_options(self), held=self._engine)
         return self._engine
 
     def __getstate__(self) -> dict:

@@ -135,8 +135,8 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
             self._engine = connect(self.endpoint, api_key=self.api_key, served_model=self.served_model,
                                    timeout=self.timeout, options=self.engine_kwargs,
                                    document_order=_set_order(self))
-        if self._engine is None:
-            self._engine = resolve_engine(None, self.model, local_options(self))
+        if self.endpoint is None and not self._engine_given:    # a closed shared engine: looked up again
+            self._engine = resolve_engine(None, self.model, local_options(self), held=self._engine)
         return self._engine
 
     @property
