@@ -207,6 +207,25 @@ def test_a_full_disk_while_converting_is_an_os_error(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "home" / "models").iterdir() if not p.name.startswith(".")]
 
 
+def test_a_full_disk_while_packing_names_the_folder_and_leaves_nothing(tmp_path, monkeypatch):
+    """A pack (a GGUF as stored, an HF checkpoint in int4 / int8) cut by a full disk raised the bare
+    "[Errno 28] No space left on device", naming no file and no way out."""
+    import errno
+    from kvboost_engine.weights import pack_file
+    path, _write = tmp_path / "m.gguf", pack_file.PackWriter._write
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+
+    def full(self, chunk):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(pack_file.PackWriter, "_write", full)
+    with pytest.raises(OSError, match="cannot write .*No space left.*KVBOOST_HOME") as caught:
+        packed_gguf_dir(path)
+    assert caught.value.errno == errno.ENOSPC
+    assert not [p for p in (tmp_path / "home" / "packed").iterdir() if p.name.startswith(".pack-")]
+    monkeypatch.setattr(pack_file.PackWriter, "_write", _write)
+    assert packed_gguf_dir(path) is not None                # room again: packed as usual
+
+
 def test_engine_loads_a_gguf_as_stored_and_decodes(tmp_path):
     path = tmp_path / "e.gguf"
     write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)

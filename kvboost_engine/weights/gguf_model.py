@@ -16,6 +16,7 @@ scaling (gguf_rope.py: Llama 3.x's rope_freqs, linear, YaRN, longrope) and Gemma
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -146,6 +147,7 @@ def write_packed_dir(target: Path, write_tensors, config, tokenizer, source: dic
     beside `target` replaces it only when complete."""
     started = time.perf_counter()
     staging = staging_dir(target.parent, ".pack-")
+    aside = staging.with_name(staging.name + "-old")   # an older pack goes aside in one rename (never half deleted)
     try:
         writer = PackWriter(staging / DATA, staging / INDEX)
         try:
@@ -158,10 +160,16 @@ def write_packed_dir(target: Path, write_tensors, config, tokenizer, source: dic
         tokenizer.save_pretrained(staging)
         (staging / COMPLETE).write_text(str(next(iter(source.values()))))
         if target.exists():
-            shutil.rmtree(target)
+            os.replace(target, aside)
         os.replace(staging, target)
+    except OSError as err:              # a full or read-only disk: which folder, and where to move the cache
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        raise type(err)(err.errno, f"kvboost cannot write {target} ({err.strerror or err}); free space there or "
+                                   "set KVBOOST_HOME to another folder") from err
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _row_order(arch: str, hf_name: str, config, rows: int) -> torch.Tensor | None:
