@@ -19,7 +19,9 @@ from dataclasses import dataclass
 #   no_finish  a clean end of stream (data: [DONE]) without a chunk carrying finish_reason
 #   error      an HTTP error status (`status`, 503 by default)
 #   slow       the whole reply, `delay_s` between chunks
-MODES = ("hang", "drop", "non_json", "malformed", "no_finish", "error", "slow")
+#   keepalive  mid-stream, SSE comments (": keep-alive") every `delay_s` and nothing else (until the
+#              server stops): bytes keep coming, so no read times out, but no chunk ever does
+MODES = ("hang", "drop", "non_json", "malformed", "no_finish", "error", "slow", "keepalive")
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
 
 

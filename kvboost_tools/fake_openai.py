@@ -242,7 +242,10 @@ def _handler(server: FakeServer):
             """Play `fault` here (after `after_chunks` chunks); True if the response ends with it."""
             if fault.mode == "hang":
                 server.released.wait(HANG_LIMIT_S)
-            if fault.mode in ("hang", "drop"):
+            if fault.mode == "keepalive":
+                while not server.released.wait(fault.delay_s):
+                    self._chunk(b": keep-alive\n\n")
+            if fault.mode in ("hang", "drop", "keepalive"):
                 self._drop()
                 return True
             if fault.mode == "malformed":

@@ -82,6 +82,7 @@ class Replica:
         self._async: dict[asyncio.AbstractEventLoop, object] = {}
         self._lock = threading.Lock()
         self.closes = 0             # close() calls so far: a request that sees it change was cut by one
+        self.cutoffs: set = set()   # sync requests reading a stream from this replica now (close() cuts them)
 
     def __repr__(self) -> str:
         return f"Replica({self.url!r})"
@@ -107,8 +108,12 @@ class Replica:
 
     def _make(self, cls):
         openai = _openai()
-        return cls(base_url=self.url, api_key=self.api_key, max_retries=self.max_retries,
-                   timeout=openai.Timeout(self.read_timeout_s, connect=self.connect_timeout_s))
+        timeout = openai.Timeout(self.read_timeout_s, connect=self.connect_timeout_s)
+        # an async client's own HTTP client: openai's default one closes itself on collection by
+        # scheduling a task on whatever loop runs then, which fails (logged as an error) once the
+        # client's loop is gone (an asyncio.run per request); this one is dropped quietly
+        extra = {"http_client": openai.DefaultAsyncHttpxClient(timeout=timeout)} if cls is openai.AsyncOpenAI else {}
+        return cls(base_url=self.url, api_key=self.api_key, max_retries=self.max_retries, timeout=timeout, **extra)
 
     def get_json(self, path: str) -> dict:
         return _json_object(self.client.get(self.root + path, cast_to=object), self.url, path)
@@ -150,6 +155,8 @@ class Replica:
             sync, self._sync = self._sync, None
             clients, self._async = self._async, {}
             self.closes += 1
+        for cutoff in list(self.cutoffs):   # a read blocked in another thread wakes now, not at its timeout
+            cutoff.cut("closed")
         if sync is not None:
             sync.close()
         for loop, client in clients.items():

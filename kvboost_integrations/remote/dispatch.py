@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 
+from kvboost_engine import RequestTimeoutError
+
 from .client import Replica, describe_failure, is_replica_failure
+from .cutoff import Cutoff
 from .errors import EngineClosedError, ReplicaUnavailableError, ReplyInterruptedError
 from .generation import RemoteGeneration, ReplyState
 from .routing import Router
@@ -49,57 +53,94 @@ class _Request:
 class Dispatcher:
     """Replicas, their router and the cache report, and the request loop over them."""
 
-    def __init__(self, replicas: dict[str, Replica], router: Router, report: CacheReport):
+    def __init__(self, replicas: dict[str, Replica], router: Router, report: CacheReport,
+                 timeout: float | None = None):
         self.replicas = replicas
         self.router = router
         self.report = report
+        self.timeout = timeout          # the whole request's bound (the classes' `timeout`), every attempt included
 
     def run(self, key: int, kind: str, body: dict, cancel: threading.Event) -> Generator[str, None, RemoteGeneration]:
-        """Stream a "chat" or "completion" request routed by `key`; stops early once `cancel` is set."""
+        """Stream a "chat" or "completion" request routed by `key`; stops early once `cancel` is set
+        (at once: a read in flight is cut). Past `timeout`: RequestTimeoutError."""
+        cutoff = Cutoff(self.timeout, cancel)
+        try:
+            return (yield from self._run(key, kind, body, cancel, cutoff))
+        finally:
+            cutoff.stop()
+
+    def _run(self, key: int, kind: str, body: dict, cancel: threading.Event, cutoff: Cutoff):
         request = _Request()
         for name in self.router.candidates(key):
             if cancel.is_set():
                 return RemoteGeneration(finish_reason="cancelled", failovers=list(request.errors))
+            cutoff.check()
             replica, reply, cancelled = self.replicas[name], ReplyState(request.started), False
             closes = replica.closes
             self.router.begin(name)
+            load = self.router.load(name)
+            replica.cutoffs.add(cutoff)         # the engine's close() cuts it
             try:
                 before = self._counters_before(replica)
                 with _create(replica.client, kind, body) as chunks:
+                    cutoff.watch(chunks)
                     for chunk in chunks:
                         delta = reply.feed(kind, chunk)
                         if delta:
                             yield delta
                         if cancel.is_set():
-                            cancelled = True
                             break
+                        if reply.finish_reason is None:
+                            cutoff.check()  # after every chunk: empty deltas and tool-call arguments too
+                cancelled = cancel.is_set()
                 if not cancelled:
+                    if reply.finish_reason is None:
+                        cutoff.check()      # a stream the deadline's timer cut (it ended early)
                     reply.check_complete()
             except Exception as err:
-                if not _done_anyway(name, err, reply):
+                cancelled = cancel.is_set() and cutoff.reason == "cancel"
+                if cutoff.reason == "timeout" and reply.finish_reason is None:
+                    self._timed_out(name, reply)
+                    raise cutoff.timed_out() from err
+                if not cancelled and not _done_anyway(name, err, reply):
                     self._attempt_failed(name, err, reply, request, closes)
                     continue
             finally:
+                cutoff.unwatch()
+                replica.cutoffs.discard(cutoff)
                 self.router.end(name)
             after = replica.prefix_counters() if before is not None else None
-            return self._finish(name, reply, request, body["model"], cancelled, (before, after))
+            return self._finish(name, reply, request, body["model"], cancelled, (before, after), load)
         raise request.unavailable()
 
     async def arun(self, key: int, kind: str, body: dict) -> AsyncIterator[str | RemoteGeneration]:
         """`run` through the async client: text deltas, then the RemoteGeneration."""
         request = _Request()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         for name in self.router.candidates(key):
+            _check_deadline(deadline, self.timeout)
             replica, reply = self.replicas[name], ReplyState(request.started)
             closes = replica.closes
             self.router.begin(name)
+            load = self.router.load(name)
             try:
                 before = await asyncio.to_thread(self._counters_before, replica)
                 async with await _create(replica.aclient, kind, body) as chunks:
-                    async for chunk in chunks:
+                    chunks = aiter(chunks)
+                    while True:             # each chunk within what is left of the deadline
+                        try:
+                            chunk = await asyncio.wait_for(anext(chunks), _left(deadline))
+                        except StopAsyncIteration:
+                            break
+                        except asyncio.TimeoutError:
+                            _check_deadline(deadline, self.timeout, now=math.inf)
                         delta = reply.feed(kind, chunk)
                         if delta:
                             yield delta
                 reply.check_complete()
+            except RequestTimeoutError:
+                self._timed_out(name, reply)
+                raise
             except Exception as err:
                 if not _done_anyway(name, err, reply):
                     self._attempt_failed(name, err, reply, request, closes)
@@ -107,9 +148,16 @@ class Dispatcher:
             finally:
                 self.router.end(name)
             after = await asyncio.to_thread(replica.prefix_counters) if before is not None else None
-            yield self._finish(name, reply, request, body["model"], False, (before, after))
+            yield self._finish(name, reply, request, body["model"], False, (before, after), load)
             return
         raise request.unavailable()
+
+    def _timed_out(self, name: str, reply: ReplyState) -> None:
+        """The request's deadline passed at `name`: a replica that sent no text in all that time
+        is tried last for a while, as a read timeout would have it (a slow reply is not a fault)."""
+        if not reply.delivered:
+            self.router.mark_down(name)
+            self.report.failed(name)
 
     def any_replica(self, call):
         """`call(replica)` on the first replica that answers (for lookups any replica can do)."""
@@ -153,13 +201,14 @@ class Dispatcher:
         request.errors[name] = what
 
     def _finish(self, name: str, reply: ReplyState, request: _Request, model: str, cancelled: bool,
-                counters: tuple) -> RemoteGeneration:
+                counters: tuple, load: tuple[int, int]) -> RemoteGeneration:
         replica = self.replicas[name]
         self.router.mark_up(name)
         if reply.usage is not None and replica.reports_cached_tokens is None:
             replica.reports_cached_tokens = reply.cached_tokens() is not None
         before, after = counters
-        metrics_cached = int((after - before).hits) if before is not None and after is not None else None
+        alone = load[0] == 1 and self.router.load(name) == (0, load[1])   # else the counters mix requests
+        metrics_cached = int((after - before).hits) if alone and before is not None and after is not None else None
         gen = reply.generation(replica=name, model=model, cancelled=cancelled,
                                failovers=list(request.errors), metrics_cached=metrics_cached)
         self.report.add(name, gen.prompt_tokens, gen.server.get("cached_tokens"), gen.ttft_s)
@@ -174,6 +223,16 @@ def _done_anyway(name: str, err: Exception, reply: ReplyState) -> bool:
     log.warning("kvboost remote: replica %s's stream broke after its reply was complete (%s: %s); the reply "
                 "is kept, without the server's usage", name, type(err).__name__, err)
     return True
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _check_deadline(deadline: float | None, timeout: float | None, now: float | None = None) -> None:
+    if deadline is not None and (time.monotonic() if now is None else now) >= deadline:
+        raise RequestTimeoutError(f"the request took longer than its timeout of {timeout:g} s (the classes' "
+                                  "timeout bounds the whole request, every replica tried included)")
 
 
 def _create(client, kind: str, body: dict):

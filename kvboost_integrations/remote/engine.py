@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvboost_engine import GenerationStream, InputError
 
 from .client import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Replica, ServerInfo, chat_body, completion_body
+from .cutoff import CancelEvent
 from .dispatch import Dispatcher
 from .generation import RemoteGeneration
 from .layout import VOLATILE_PATTERNS, LayoutOptions, PromptLayout, route_key_of_text
@@ -82,7 +83,7 @@ class RemoteEngine:
         self.layout = PromptLayout(LayoutOptions(document_order, volatile, tuple(volatile_patterns),
                                                  blend_separator, remembered_sequences))
         self.report = CacheReport(list(self.replicas))
-        self.dispatch = Dispatcher(self.replicas, self.router, self.report)
+        self.dispatch = Dispatcher(self.replicas, self.router, self.report, timeout)
         if context_window is not None and context_window <= 0:
             raise InputError(f"context_window must be positive, got {context_window}")
         self._served_model = served_model
@@ -201,7 +202,7 @@ class RemoteEngine:
 
     def _stream(self, key: int, kind: str, make_body, moved: list[str] | None = None) -> GenerationStream:
         """A GenerationStream over the dispatcher; the body (and the model name) made on first next()."""
-        cancel = threading.Event()
+        cancel = CancelEvent()          # cancelling cuts a read in flight at once
 
         def run():
             if cancel.is_set():         # closed before its first delta was asked for: send nothing

@@ -70,6 +70,7 @@ class Router:
         self.cooldown_s = cooldown_s
         self._ring = HashRing(self.names)
         self._in_flight = dict.fromkeys(self.names, 0)
+        self._begun = dict.fromkeys(self.names, 0)         # requests ever sent to each (see `load`)
         self._down_until = dict.fromkeys(self.names, 0.0)
         self._turn = itertools.count()
         self._lock = threading.Lock()
@@ -96,6 +97,13 @@ class Router:
         """A request is being sent to `name`."""
         with self._lock:
             self._in_flight[name] += 1
+            self._begun[name] += 1
+
+    def load(self, name: str) -> tuple[int, int]:
+        """(requests in flight at `name`, requests ever sent to it): unchanged across a request that
+        was in flight alone, no other sent meanwhile (its server's counters are then its own)."""
+        with self._lock:
+            return self._in_flight[name], self._begun[name]
 
     def end(self, name: str) -> None:
         """A request to `name` finished (or failed)."""
