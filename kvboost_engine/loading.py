@@ -208,11 +208,13 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .weights.gguf_config import gguf_config
+    from .weights.gguf_file import check_gguf_tensors
     arch = gguf_architecture(gguf_path)
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
+    check_gguf_tensors(gguf_path)           # what transformers would fill with random values, refused
     folder, name = str(gguf_path.parent), gguf_path.name
     with Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -305,7 +307,11 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     if device.type == "cpu":
         check_fits(float_model_bytes(source, config, dtype), f"{source.name} in {dtype}")
     with building_model():          # transformers' build swaps process-wide state (model/building.py)
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype).to(device).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, output_loading_info=True)
+    if info.get("missing_keys"):    # transformers fills them with random values: refused, named
+        missing = sorted(info["missing_keys"])
+        raise InputError(f"{source} lacks tensor {missing[0]} ({len(missing)} missing in all) that its config.json needs")
+    model = model.to(device).eval()
     if fmt is not None:
         convert_model(model, fmt)
     return model, tokenizer

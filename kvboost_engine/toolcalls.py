@@ -85,7 +85,7 @@ class ToolFormat:
             return text, []
         content, body = text[:start].rstrip(), text[start:]
         if self.name == "hermes":
-            calls = [_call(block) for block in _HERMES_RE.findall(body)]
+            calls = _hermes_calls(body)
         elif self.name == "mistral":
             calls = _json_calls(body[len(self.marker):])
         else:
@@ -117,7 +117,7 @@ def _rebased(node, base: str):
 
 PYTHON_TAG = "<|python_tag|>"
 HERMES = ToolFormat("hermes", False, "<tool_call>\n", "\n</tool_call>", "arguments")
-_HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 FORMATS = {
     "hermes": ToolFormat("hermes", True, "<tool_call>\n", "\n</tool_call>", "arguments"),
     "llama3_json": ToolFormat("llama3_json", True, "", "", "parameters"),
@@ -216,6 +216,29 @@ def _call(body: str) -> dict:
         return {"name": name.group(1) if name else None, "args": body, "id": new_call_id(),
                 "keyed": re.search(r'"(arguments|parameters)"\s*:', body) is not None}
     return _from_json(data) or {"name": None, "args": body, "id": new_call_id()}
+
+
+def _hermes_calls(text: str) -> list[dict]:
+    """The calls of `<tool_call>` blocks: each one's JSON read whole after its marker (a `</tool_call>`
+    inside a string argument is part of the argument, not the block's end), then its closing tag; a
+    block whose JSON does not read is an unreadable call up to its closing tag (or the end)."""
+    calls, at = [], text.find(_OPEN)
+    while at >= 0:
+        start = at + len(_OPEN)
+        position = len(text) - len(text[start:].lstrip())         # the call's JSON, after any whitespace
+        try:
+            data, end = _DECODER.raw_decode(text, position)
+        except json.JSONDecodeError:
+            close = text.find(_CLOSE, start)
+            end = close if close >= 0 else len(text)
+            calls.append(_call(text[start:end].strip()))
+        else:
+            calls.append(_from_json(data) or {"name": None, "args": text[position:end], "id": new_call_id()})
+            close = text.find(_CLOSE, end)       # junk a small model left between the call and its tag is skipped
+            opens = text.find(_OPEN, end)
+            end = close if close >= 0 and (opens < 0 or close < opens) else end
+        at = text.find(_OPEN, end)
+    return calls
 
 
 def _from_json(data) -> dict | None:

@@ -369,6 +369,21 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused_at_load(tmp_path, m
         Engine.from_pretrained(_patched(path, tmp_path, "llama.block_count", 1))
 
 
+def test_the_float32_conversion_refuses_what_the_packed_load_refuses(tmp_path, monkeypatch):
+    """weights="fp32" (and any file the native step cannot take) went through transformers, which
+    fills a missing tensor with random values and drops a layer past block_count: it loaded, answered
+    garbage, and the broken conversion was cached for every later load."""
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    with pytest.raises(InputError, match="tensors of layers past its llama.block_count of 1"):
+        Engine.from_pretrained(_patched(path, tmp_path, "llama.block_count", 1), weights="fp32")
+    with pytest.raises(InputError, match=r"lacks tensor blk.2.attn_norm.weight \(9 missing in all\)"):
+        Engine.from_pretrained(_patched(path, tmp_path, "llama.block_count", 3), weights="fp32")
+    models = tmp_path / "home" / "models"
+    assert not models.exists() or not [p for p in models.iterdir() if not p.name.startswith(".")]
+
+
 def test_hostile_headers_are_input_errors():
     """A key given twice, arrays nested without end (a RecursionError before), an alignment that is not
     an integer (a ValueError, or a float silently truncated)."""

@@ -281,6 +281,26 @@ def test_a_checkpoint_whose_config_disagrees_is_refused_when_packed(tmp_path, mo
         Engine.from_pretrained(source, weights="int4", device="cpu")
 
 
+@pytest.mark.parametrize("weights", [None, "int4"])
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path, monkeypatch, weights):
+    """transformers fills a tensor the checkpoint lacks with random values (a load report on stderr
+    the only sign): the model loaded and answered garbage; int4 / int8 fell back to that float load
+    and packed it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    source = tmp_path / "tiny"
+    tiny_model("llama", seed=5).save_pretrained(source)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)
+    stored = load_file(source / "model.safetensors")
+    del stored["model.layers.1.mlp.gate_proj.weight"]
+    save_file(stored, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InputError, match=r"lacks tensor model.layers.1.mlp.gate_proj.weight \(1 missing in all\)"):
+        Engine.from_pretrained(source, weights=weights, device="cpu")
+    assert not (tmp_path / "home" / "packed").exists() or not list((tmp_path / "home" / "packed").glob("tiny-*"))
+
+
 def test_the_memory_estimate_counts_the_files_transformers_loads(tmp_path):
     """Mistral repositories ship consolidated.safetensors beside the HF files: the same weights again
     (the estimate doubled, which could refuse a model that fits)."""

@@ -142,7 +142,8 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
     state.metrics.first_event()
     if event[0] in ("error", "gone"):
         return error_response(event[1], state) if event[0] == "error" else Response(status_code=499)
-    reply = Reply(kind, state.model_name, ToolReply(fmt) if fmt is not None else None, usage_null=call.include_usage)
+    tools = ToolReply(fmt, call.one_call) if fmt is not None else None
+    reply = Reply(kind, state.model_name, tools, usage_null=call.include_usage)
     if call.stream:                     # however the response ends: a client that left stops its request
         return _EventStream(_events(pump, event, reply, call), pump.cancel,
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -162,10 +163,30 @@ def _start(state: ServerState, body, kind: str):
     try:
         return call, fmt, start(**call.params)
     except ContextWindowError as err:           # no max_tokens: as OpenAI, the reply stops where the window does
-        room = engine.context_window - getattr(err, "prompt_tokens", engine.context_window)
+        prompt_tokens = getattr(err, "prompt_tokens", None)
+        room = engine.context_window - (engine.context_window if prompt_tokens is None else prompt_tokens)
         if "max_new_tokens" in call.params or room < 1:
-            raise
+            raise _window_error(err, call, prompt_tokens, engine.context_window) from None
         return call, fmt, start(**{**call.params, "max_new_tokens": room})
+
+
+def _window_error(err: ContextWindowError, call: Call, prompt_tokens: int | None, window: int) -> ContextWindowError:
+    """The engine's context-window error in the client's terms: its budget field (`max_tokens` or
+    `max_completion_tokens`, not the engine's `max_new_tokens`) named and set as `param`; without
+    one, the prompt that leaves no room for a reply."""
+    if prompt_tokens is None:
+        return err
+    if call.budget_field is not None:
+        asked = call.params["max_new_tokens"]
+        error = ContextWindowError(f"prompt has {prompt_tokens} tokens and {call.budget_field} is {asked}: together "
+                                   f"{prompt_tokens + asked}, beyond the model's context window of {window} tokens")
+        error.param = call.budget_field
+    else:
+        error = ContextWindowError(f"prompt has {prompt_tokens} tokens: it fills the model's context window of "
+                                   f"{window} tokens, leaving no room for a reply")
+        error.param = "messages" if call.kind == "chat" else "prompt"
+    error.prompt_tokens = prompt_tokens
+    return error
 
 
 async def _collect(pump: Pump, event: tuple, reply: Reply, request: Request, state: ServerState) -> Response:
@@ -263,7 +284,7 @@ def error_response(err: BaseException, state: ServerState) -> Response:
         return _error(429, str(err), kind="rate_limit_error", code="queue_full",
                       headers={"Retry-After": str(state.retry_after_s)})
     if isinstance(err, ContextWindowError):
-        return _error(400, str(err), code="context_length_exceeded")
+        return _error(400, str(err), code="context_length_exceeded", param=getattr(err, "param", None))
     if isinstance(err, InputError):
         return _error(400, str(err))
     if isinstance(err, BudgetError):        # cannot fit the KV pool even alone: retrying will not help

@@ -24,11 +24,12 @@ SAMPLING_FIELDS = {
 }
 # Accepted and without effect on the reply (the OpenAI API's bookkeeping fields; llama-server's
 # penalty window, which our remote client sends next to repetition_penalty; checked below).
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier",
                   "prompt_cache_key", "repeat_penalty", "repeat_last_n")
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logprobs", "top_logprobs", *SAMPLING_FIELDS,
                  *IGNORED_FIELDS)
-CHAT_FIELDS = (*COMMON_FIELDS, "messages", "response_format", "tools", "tool_choice", "chat_template_kwargs")
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+               "chat_template_kwargs")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 PART_TYPES = ("text", "document")
 SWITCHES = ("add_generation_prompt", "continue_final_message")    # chat template booleans
@@ -59,6 +60,8 @@ class Call:
     logprobs: bool = False
     tools: list | None = None       # chat: OpenAI's tools and tool_choice, as sent (see tools.py)
     tool_choice: object = None
+    one_call: bool = False          # chat: parallel_tool_calls=false, a reply's first tool call only
+    budget_field: str | None = None  # the reply budget's field as the client named it (max_tokens...)
 
 
 def engine_parameters() -> frozenset[str]:
@@ -77,6 +80,7 @@ def parse_chat(body, accepted: frozenset[str]) -> Call:
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]   # OpenAI's new name
     call = _common(body, "chat", messages, accepted)
     call.tools, call.tool_choice = body.get("tools"), body.get("tool_choice")
+    call.one_call = body.get("parallel_tool_calls") is not None and not _bool(body, "parallel_tool_calls")
     call.template_kwargs = _optional_object(body, "chat_template_kwargs")
     if call.template_kwargs and "chat_template" in call.template_kwargs:
         raise BadRequest("chat_template_kwargs.chat_template is not accepted: this server renders chats with its "
@@ -146,13 +150,17 @@ def _common(body: dict, kind: str, payload, accepted: frozenset[str]) -> Call:
             raise BadRequest(f"stream_options.{name} must be a boolean", f"stream_options.{name}")
     if options and not stream:
         raise BadRequest("stream_options needs stream=true", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise BadRequest("stream_options.continuous_usage_stats is not supported by this server (include_usage "
+                         "gives the usage in a last chunk)", "stream_options.continuous_usage_stats")
     _check_repeat_fields(body)
     params = sampling_params(body, accepted)
     logprobs = kind == "chat" and _bool(body, "logprobs")
     if logprobs and "logprobs" not in accepted:
         raise BadRequest("logprobs are not supported by this engine", "logprobs")
+    budget = next((name for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None), None)
     return Call(kind, model, payload, params, stream=stream, include_usage=bool(options.get("include_usage")),
-                logprobs=logprobs)
+                logprobs=logprobs, budget_field=budget)
 
 
 def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
@@ -168,6 +176,8 @@ def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
             raise BadRequest(f"{name} is not supported by this engine", name)
         if name == "top_k" and value == -1 and not isinstance(value, bool):
             value = 0                   # vLLM's and SGLang's "off" (our remote client sends it), the engine's 0
+        if name == "seed":
+            value = _seed(value)
         stops = [value] if name == "stop" and isinstance(value, str) else value if name == "stop" else None
         if isinstance(stops, list) and (len(stops) > MAX_STOPS or any(
                 isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops)):
@@ -175,6 +185,16 @@ def sampling_params(body: dict, accepted: frozenset[str]) -> dict:
         _check_value(name, engine_name, value)
         params[engine_name] = value
     return params
+
+
+def _seed(value):
+    """OpenAI's seed is a signed 64-bit int (vLLM takes negatives): a negative one as the engine's
+    unsigned seed (value % 2**64); a value that is not an int as it is, for the engine's own check."""
+    if isinstance(value, bool) or not isinstance(value, int) or 0 <= value < 2**64:
+        return value
+    if not -2**63 <= value < 2**64:
+        raise BadRequest(f"seed must be an int in [-2**63, 2**64), got {value!r}", "seed")
+    return value % 2**64
 
 
 def _check_value(name: str, engine_name: str, value) -> None:

@@ -2,6 +2,7 @@
 usage (with `prompt_tokens_details.cached_tokens`), errors; and server-sent-event framing."""
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -17,6 +18,7 @@ class Reply:
         self.model = model
         self.tools = tools              # a tools.ToolReply when the model may call tools
         self.usage_null = usage_null    # include_usage: every chunk but the last carries "usage": null (OpenAI's)
+        self.offsets = TextOffsets()    # completions' text_offset, going on from chunk to chunk
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -36,7 +38,7 @@ class Reply:
                     message["tool_calls"], finish = calls, "tool_calls"
             choice = {"index": 0, "message": message, "logprobs": chat_logprobs(gen.logprobs), "finish_reason": finish}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(gen)}
-        choice = {"index": 0, "text": gen.text, "logprobs": completion_logprobs(gen.logprobs),
+        choice = {"index": 0, "text": gen.text, "logprobs": completion_logprobs(gen.logprobs, TextOffsets()),
                   "finish_reason": finish_reason(gen)}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(gen)}
 
@@ -52,7 +54,7 @@ class Reply:
         text that may begin a tool call is held back."""
         entries = getattr(text, "logprobs", None)
         if self.kind != "chat":
-            return [self._completion_chunk(str(text), None, completion_logprobs(entries))]
+            return [self._completion_chunk(str(text), None, completion_logprobs(entries, self.offsets))]
         if self.tools is not None:
             text = self.tools.feed(str(text))
         return [self._chunk({"content": str(text)}, None, chat_logprobs(entries))] if text or entries else []
@@ -108,17 +110,32 @@ def chat_logprobs(entries: list[dict] | None) -> dict | None:
     return None if entries is None else {"content": entries}
 
 
-def completion_logprobs(entries: list[dict] | None) -> dict | None:
-    """Our logprob entries in the completions API's legacy format."""
+class TextOffsets:
+    """Where each token starts in the reply text, in characters, counted on over every token before it
+    (streamed: from the characters already sent). A token that is part of a character (its text
+    U+FFFD) adds nothing until the token that completes the character: its bytes are decoded, not
+    its text counted."""
+
+    def __init__(self):
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def of(self, entries: list[dict]) -> list[int]:
+        offsets = []
+        for entry in entries:
+            offsets.append(self.chars)
+            raw = entry.get("bytes")
+            self.chars += len(self._decoder.decode(bytes(raw) if raw is not None else entry["token"].encode()))
+        return offsets
+
+
+def completion_logprobs(entries: list[dict] | None, offsets: TextOffsets) -> dict | None:
+    """Our logprob entries in the completions API's legacy format (`text_offset` from `offsets`)."""
     if entries is None:
         return None
-    offsets, at = [], 0
-    for entry in entries:
-        offsets.append(at)
-        at += len(entry["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
-            "text_offset": offsets}
+            "text_offset": offsets.of(entries)}
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,

@@ -110,20 +110,31 @@ def _call_pair(call) -> tuple[str, dict]:
 
 
 class ToolReply:
-    """Generated text -> content shown as it streams (held back once a call may begin) and calls."""
+    """Generated text -> content shown as it streams (held back once a call may begin) and calls
+    (the first one only with `one_call`: parallel_tool_calls=false, as ChatKVBoost's bind_tools)."""
 
-    def __init__(self, fmt):
+    def __init__(self, fmt, one_call: bool = False):
         self.splitter = ToolCallSplitter(fmt)
+        self.one_call = one_call
 
     def feed(self, delta: str) -> str:
         return self.splitter.feed(delta)
 
     def finish(self, cut: bool) -> tuple[str, list[dict]]:
         """(text not shown yet, calls as OpenAI's tool_calls); a reply cut by max_tokens has no calls,
-        and a reply with an unreadable call keeps all its text."""
+        and a reply with an unreadable call (no name, or arguments that are not a JSON object) keeps
+        all its text."""
         before = self.splitter.shown
         rest, calls = self.splitter.finish(cut)
-        if any(c["name"] is None for c in calls):
+        if any(c["name"] is None or not _json_object(c["args"]) for c in calls):
             return self.splitter.text[before:], []
         return rest, [{"index": i, "id": c["id"], "type": "function",
-                       "function": {"name": c["name"], "arguments": c["args"]}} for i, c in enumerate(calls)]
+                       "function": {"name": c["name"], "arguments": c["args"]}}
+                for i, c in enumerate(calls[:1] if self.one_call else calls)]
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False

@@ -142,12 +142,25 @@ def _check_tensors_present(file: GGUFFile, arch: str) -> int:
     if not isinstance(layers, int) or layers < 1:
         raise InputError(f"{file.path} has no {arch}.block_count (the number of layers)")
     needed = list(REQUIRED_MODEL_TENSORS)
-    needed += [f"blk.{i}.{part}.weight" for i in range(layers) for part in REQUIRED_BLOCK_TENSORS[arch]]
+    needed += [f"blk.{i}.{part}.weight" for i in range(layers) for part in REQUIRED_BLOCK_TENSORS.get(arch, _LLAMA_BLOCK)]
     missing = [name for name in needed if name not in file.tensors]
     if missing:
         raise InputError(f"{file.path} lacks tensor {missing[0]} ({len(missing)} missing in all), "
                          f"which a {arch} GGUF of {layers} layers needs")
+    beyond = sorted(k for k in file.tensors if k.startswith("blk.") and k.split(".")[1].isdigit()
+                    and int(k.split(".")[1]) >= layers)
+    if beyond:                          # a truncated model would load and answer garbage (llama.cpp refuses too)
+        raise InputError(f"{file.path} has tensors of layers past its {arch}.block_count of {layers} "
+                         f"({beyond[0]}...): its metadata and tensors disagree")
     return layers
+
+
+def check_gguf_tensors(path: str | Path) -> None:
+    """The tensor checks of `check_gguf` (every tensor the architecture needs is there, none of a layer
+    past block_count), for the float32 conversion too: transformers fills a missing tensor with random
+    values and drops extra layers, and the conversion would be cached. Reads the header only."""
+    file = GGUFFile(path)
+    _check_tensors_present(file, file.architecture)
 
 
 def check_gguf(path: str | Path) -> GGUFSummary:

@@ -182,12 +182,7 @@ def _row_order(arch: str, hf_name: str, config, rows: int) -> torch.Tensor | Non
 
 def _write_tensors(model: nn.Module, file: GGUFFile, arch: str, layers: int, config, writer: PackWriter) -> dict:
     """Repack every matrix, copy every norm and bias; returns the index's metadata."""
-    names = _gguf_names(model, arch, layers)
-    beyond = sorted(k for k in file.tensors if k.startswith("blk.") and k.split(".")[1].isdigit()
-                    and int(k.split(".")[1]) >= layers)
-    if beyond:                          # a truncated model would load and answer garbage (llama.cpp refuses too)
-        raise InputError(f"{file.path} has tensors of layers past its {arch}.block_count of {layers} "
-                         f"({beyond[0]}...): its metadata and tensors disagree")
+    names = _gguf_names(model, arch, layers)         # check_gguf refused missing tensors and extra layers
     matrices, floats, worst = {}, [], {}
     for hf_name, module in model.named_modules():
         if hf_name not in names:

@@ -12,7 +12,7 @@ from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser,
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from kvboost_engine import GenerationStream
@@ -26,7 +26,7 @@ from ..remote import is_remote
 from ._settings import KVBoostSettings
 from .messages import to_engine_messages
 from .reply import ChatReply
-from .structured import structured_chain
+from .structured import json_schema_of, structured_chain
 
 
 class ChatKVBoost(KVBoostSettings, BaseChatModel):
@@ -80,6 +80,9 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
             raise ValueError(f"tool_choice={requested!r} forces a tool call, but no tools are bound")
         choice = normalize_tool_choice(requested, names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
+        if response_format is not None and choice not in ("auto", "none"):     # one grammar per reply
+            raise ValueError(f"tool_choice={requested!r} forces a tool call and response_format asks for JSON: "
+                             "give one of them")
         parallel = kwargs.pop("parallel_tool_calls", None)
         reasoning = kwargs.pop("reasoning", self.reasoning)
         params = self.sampling_params(stop, kwargs)
@@ -204,6 +207,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
                                include_raw: bool = False, strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
         """Answers as `schema` (Pydantic class, TypedDict, or JSON schema), by constrained decoding.
+        A JSON schema dict is followed as it is, whatever its top level (OpenAI's {"name", "schema"}
+        and {"type": "json_schema", ...} forms unwrapped).
 
         method "json_schema" (default): the output is generated under the schema (llguidance), so
         it validates unless `max_tokens` cuts it: a cut reply (finish_reason "length") raises
@@ -229,7 +234,7 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
             parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
                       else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
             return structured_chain(llm, parser, include_raw)
-        response_format = {"type": "json_object"} if schema is None else convert_to_json_schema(schema)
+        response_format = {"type": "json_object"} if schema is None else json_schema_of(schema)
         llm = self.bind(response_format=response_format, **tracing)
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
         return structured_chain(llm, parser, include_raw)

@@ -10,10 +10,29 @@ from typing import Any
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import BaseMessage, BaseMessageChunk
 from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema
 
 
 class LengthCutError(OutputParserException):
     """The structured reply was cut by max_tokens before it was complete (finish_reason "length")."""
+
+
+def json_schema_of(schema: dict | type) -> dict:
+    """The JSON schema the output must follow. A dict is used as it is (whatever its top level: an
+    object, an array, an enum; titled or not), once unwrapped from OpenAI's forms ({"type":
+    "json_schema", "json_schema": {"schema": ...}}, {"name", "schema", "strict"}, a tool or function
+    dict's `parameters`); LangChain's `convert_to_json_schema` only reads Pydantic classes, TypedDicts
+    and functions (given a dict, it shrinks a titled non-object schema to its title: any JSON)."""
+    if not isinstance(schema, dict):
+        return convert_to_json_schema(schema)
+    if schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
+        schema = schema["json_schema"]
+    if schema.get("type") == "function" and isinstance(schema.get("function"), dict):
+        schema = schema["function"]
+    for key in ("schema", "parameters"):
+        if isinstance(schema.get("name"), str) and isinstance(schema.get(key), dict):
+            return schema[key]
+    return schema
 
 
 def complete_reply(message: BaseMessage) -> BaseMessage:

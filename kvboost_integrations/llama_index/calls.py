@@ -37,6 +37,9 @@ class EngineCall:
                  tool_choice: str = "auto", grammar: Grammar | None = None, document_order: str = "relevance",
                  timeout: float | None = None, reasoning: bool | None = None):
         assert (chat is None) != (prompt is None)
+        if tools and tool_choice not in ("auto", "none") and grammar is not None:     # one grammar per reply
+            raise InputError(f"tool_choice={tool_choice!r} forces a tool call and constraint={grammar.describe()} "
+                             "asks for other output: give one of them")
         self.timeout = timeout
         self.reasoning = reasoning
         self.inside: bool | None = None     # set by start() when thinking is separated: the reply starts in it

@@ -36,10 +36,15 @@ def chat_messages(user_msg: str | ChatMessage | None, chat_history: Sequence[Cha
 
 
 def tool_selections(response: ChatResponse) -> list[ToolSelection]:
-    """The calls of a response; arguments that do not parse (a call cut by max_new_tokens) are {}."""
-    return [ToolSelection(tool_id=block.tool_call_id or "", tool_name=block.tool_name,
-                          tool_kwargs=block.tool_kwargs if isinstance(block.tool_kwargs, dict) else {})
-            for block in response.message.blocks if isinstance(block, ToolCallBlock)]
+    """The calls of a response; a call whose arguments are not a JSON object (the model's own malformed
+    call) is a ValueError naming the tool, never run with {} (its defaults) in their place."""
+    blocks = [block for block in response.message.blocks if isinstance(block, ToolCallBlock)]
+    for block in blocks:
+        if not isinstance(block.tool_kwargs, dict):
+            raise ValueError(f"the call of tool {block.tool_name!r} has arguments that are not a JSON object: "
+                             f"{block.tool_kwargs!r:.200}")
+    return [ToolSelection(tool_id=block.tool_call_id or "", tool_name=block.tool_name, tool_kwargs=block.tool_kwargs)
+            for block in blocks]
 
 
 def keep_first_call(response: ChatResponse) -> ChatResponse:
