@@ -104,6 +104,25 @@ def drop_superseded(target: Path, source: Path, marker: str, suffix: str = "") -
     return removed
 
 
+def drop_orphans(folder: Path, sources: Path, marker: str) -> list[str]:
+    """Delete the finished builds in `folder` made from a source under `sources` that is gone (a pack
+    of a converted model that `drop_superseded` removed when its GGUF changed: nothing can load
+    it again, and each is about the model's size). Sources elsewhere (a user's folder, perhaps on a
+    drive not mounted now) are never judged. The names removed."""
+    removed, sources = [], sources.resolve()
+    for other in folder.iterdir():
+        try:
+            if not (other / marker).is_file():
+                continue
+            named = Path((other / marker).read_text())
+            if named.is_absolute() and named.parent == sources and not named.exists():
+                shutil.rmtree(other)
+                removed.append(other.name)
+        except (OSError, ValueError):           # removed by another process first; an odd marker
+            continue
+    return removed
+
+
 @contextlib.contextmanager
 def build_lock(target: Path):
     """Only one process builds `target` (a converted model, a pack file); the others wait, then

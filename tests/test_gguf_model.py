@@ -226,6 +226,23 @@ def test_a_full_disk_while_packing_names_the_folder_and_leaves_nothing(tmp_path,
     assert packed_gguf_dir(path) is not None                # room again: packed as usual
 
 
+def test_a_changed_gguf_leaves_no_int4_pack_of_its_old_conversion(tmp_path, monkeypatch):
+    """weights="int4" of a GGUF packs its float conversion; when the GGUF changed, the new conversion
+    replaced the old one but the old one's pack (about the model's size) stayed for good."""
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    path = tmp_path / "c.gguf"
+    write_model(path, "llama", Q.Q8_0, embed=Q.Q8_0)
+    Engine.from_pretrained(path, weights="int4").close()
+    packed = tmp_path / "home" / "packed"
+    first = [p.name for p in packed.iterdir() if p.name.startswith("c-")]
+    assert len(first) == 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))      # the file changed
+    Engine.from_pretrained(path, weights="int4").close()
+    second = [p.name for p in packed.iterdir() if p.name.startswith("c-")]
+    assert len(second) == 1 and second != first
+    assert len([p for p in (tmp_path / "home" / "models").iterdir() if p.name.startswith("c-")]) == 1
+
+
 def test_engine_loads_a_gguf_as_stored_and_decodes(tmp_path):
     path = tmp_path / "e.gguf"
     write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)

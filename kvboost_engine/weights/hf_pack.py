@@ -27,7 +27,7 @@ import xxhash
 from torch import nn
 
 from ..errors import InputError
-from ..paths import build_lock, cache_home, drop_superseded, made
+from ..paths import build_lock, cache_home, drop_orphans, drop_superseded, made
 from .formats import INT4_GROUP, quantize_int4_groups, quantize_int8_rows
 from .gguf_repack import fits_packed
 from .gguf_model import COMPLETE, DATA, EMBEDDING, HEAD, is_packed_dir, load_packed_model, skeleton, write_packed_dir
@@ -140,6 +140,8 @@ def packed_hf_dir(source: Path, fmt: str, config, tokenizer) -> Path | None:
             _build(source, target, model, stored, plan, config, tokenizer, fmt)
             for name in drop_superseded(target, source, COMPLETE):
                 log.info("removed %s, a superseded conversion of %s", name, source)
+            for name in drop_orphans(target.parent, cache_home() / "models", COMPLETE):
+                log.info("removed %s, a pack of a converted model that is gone", name)
     return target
 
 
