@@ -6,11 +6,15 @@ cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
+from .config import EngineConfig
 from .engine import Engine
+from .errors import InputError
 from .named_models import named_model
+from .wiring import check_device, resolve_dtype
 
 
 class EngineRegistry:
@@ -65,11 +69,36 @@ def usable(engine) -> bool:
 
 
 def _key(model, options: dict) -> tuple:
-    name = None if model is None else os.path.abspath(os.fspath(model)) if os.path.exists(os.fspath(model)) else os.fspath(model)
+    """One key for one engine: the model's real path (a link or a relative path is the same folder),
+    a named model by its name, and the options as the engine will run them (device and dtype resolved,
+    an EngineConfig option at its default left out: given or not, the same engine)."""
+    name = None if model is None else os.path.realpath(os.fspath(model)) if os.path.exists(os.fspath(model)) else os.fspath(model)
     named = named_model(name) if isinstance(name, str) and not os.path.exists(name) else None
     if named is not None:
         name = named.name                   # a named model and its package name are one model
+    options = dict(options)
+    try:
+        device = check_device(options.get("device"))
+        options.update(device=str(device), dtype=str(resolve_dtype(options.get("dtype"), device)))
+    except InputError:
+        pass                                # keyed as given; the load raises it
+    options = {k: v for k, v in options.items() if not (k in _DEFAULTS and _same(v, _DEFAULTS[k]))}
     return (name, tuple(sorted((k, repr(v)) for k, v in options.items())))
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
+
+
+def _same(value, default) -> bool:
+    """Whether `value` is the default: equal, and of its kind (True is not 1; 2147483648.0 is 2**31)."""
+    try:
+        if isinstance(value, bool) or isinstance(default, bool):
+            return type(value) is type(default) and value == default
+        if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+            return bool(value == default)
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # noqa: BLE001 - a value that cannot be compared is not the default
+        return False
 
 
 _REGISTRY = EngineRegistry()

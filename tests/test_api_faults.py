@@ -126,6 +126,26 @@ def test_released_shared_engines_are_closed_and_framework_objects_load_theirs_ag
     assert given.get_engine() is mine and given_index.engine is mine
 
 
+def test_equal_options_spelled_otherwise_share_one_engine(tmp_path, monkeypatch):
+    """Each spelling got its own engine (a model and a cache budget each): the documented default
+    given explicitly, dtype="float32" / torch.float32 / none, device="cpu" / none, a link or a
+    relative path to the same folder."""
+    from kvboost_engine.config import EngineConfig
+    from kvboost_engine.registry import _key
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    plain = _key(str(folder), {})
+    for model, options in [(str(folder), {"cache_bytes": EngineConfig().cache_bytes}),
+                           (str(folder), {"dtype": "float32"}), (str(folder), {"dtype": torch.float32, "device": "cpu"}),
+                           (str(tmp_path / "link"), {}), ("model", {}), (folder, {"moved_reuse": "full"})]:
+        assert _key(model, options) == plain, (model, options)
+    for options in [{"cache_bytes": 1}, {"weights": "int8"}, {"dtype": "bfloat16"}, {"paged": False}]:
+        assert _key(str(folder), options) != plain, options
+    assert _key(str(folder), {"cache_bytes": True}) != _key(str(folder), {"cache_bytes": 1})
+
+
 def test_closing_one_subscription_leaves_another_of_the_same_callback():
     instruments, seen = Instruments(), []
 
