@@ -119,9 +119,11 @@ def test_a_reply_whose_text_dropped_special_tokens_is_not_remembered_with_them(s
 
 
 def test_a_tiny_temperature_is_its_greedy_limit_and_a_fully_masked_draw_is_an_input_error():
+    """(With every logit negative, a tiny temperature scaled them all to -inf: an InputError.)"""
     logits = torch.tensor([0.5, 3.0, 1.0, 2.9])
     tiny = Sampler(SamplingParams.build(temperature=1e-40, seed=1), torch.device("cpu"))
     assert tiny.pick(logits) == 1
+    assert tiny.pick(logits - 50) == 1          # every logit negative (a logit_bias): was "every logit is -inf"
     masked = Sampler(SamplingParams.build(temperature=0.7, seed=1), torch.device("cpu"))
     with pytest.raises(InputError, match="every logit is -inf"):
         masked.pick(torch.full((4,), float("-inf")))

@@ -191,14 +191,15 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return argmax(logits)
-        scaled = logits / p.temperature
-        top = float(scaled.max())
+        top = float(logits.max())
         if top == float("-inf"):
             raise InputError("no token can be chosen here: every logit is -inf (a grammar that cannot continue, "
                              "or logit_bias masking every token)")
         if top == float("inf"):
-            return argmax(logits)       # a temperature so small the scaled logits overflow: its limit, greedy
-        logits = scaled
+            return argmax(logits)       # a logit_bias of +inf: that token
+        # scaled from the top (the same distribution): the top stays 0 however small the temperature, the
+        # others go to -inf, its limit; scaled as they were, negative logits overflowed to -inf, all of them
+        logits = (logits - top) / p.temperature
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
