@@ -27,7 +27,7 @@ from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 from .named_models import NamedModel, fetch_gguf, named_model
 from .native import build
 from .model import compat
-from .model.building import building_model
+from .model.building import building_model, load_checkpoint
 from .progress import Stages
 from .paths import build_folder, build_lock, cache_home, drop_superseded, publish, published
 from .weights.gguf_model import COMPLETE as _COMPLETE, is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
@@ -205,9 +205,9 @@ def gguf_architecture(gguf_path: Path) -> str:
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from .weights.gguf_config import gguf_config
+    from .weights.gguf_config import gguf_config, gguf_tokenizer
     from .weights.gguf_file import check_gguf_tensors
     arch = gguf_architecture(gguf_path)
     if arch not in GGUF_ARCHITECTURES:
@@ -217,7 +217,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     check_gguf_tensors(gguf_path)           # what transformers would fill with random values, refused
     folder, name = str(gguf_path.parent), gguf_path.name
     with Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = gguf_tokenizer(gguf_path)
         stages.done("tokenizer read")
         with building_model():
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=gguf_config(gguf_path), dtype=torch.float32)
@@ -271,7 +271,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     AWQ loader; `awq_options` (resident_layers, resident_bytes, stream_from, staging_slots,
     awq_kernel) go to it and are an error for any other model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .model.arch import check_supported
     from .weights.awq.format import awq_config_of
@@ -306,12 +306,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
         return packed, tokenizer
     if device.type == "cpu":
         check_fits(float_model_bytes(source, config, dtype), f"{source.name} in {dtype}")
-    with building_model():          # transformers' build swaps process-wide state (model/building.py)
-        model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, output_loading_info=True)
-    if info.get("missing_keys"):    # transformers fills them with random values: refused, named
-        missing = sorted(info["missing_keys"])
-        raise InputError(f"{source} lacks tensor {missing[0]} ({len(missing)} missing in all) that its config.json needs")
-    model = model.to(device).eval()
+    model = load_checkpoint(source, config, dtype).to(device).eval()    # a missing tensor, a damaged file: refused
     if fmt is not None:
         convert_model(model, fmt)
     return model, tokenizer

@@ -226,6 +226,16 @@ def test_a_full_disk_while_packing_names_the_folder_and_leaves_nothing(tmp_path,
     assert packed_gguf_dir(path) is not None                # room again: packed as usual
 
 
+@pytest.mark.parametrize("weights", [None, "fp32"])
+def test_a_token_id_past_the_vocabulary_is_an_input_error_naming_the_file(tmp_path, monkeypatch, weights):
+    """(transformers' GGUF tokenizer reader raised a bare IndexError: list index out of range.)"""
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+    with pytest.raises(InputError, match=r"eos-.*\.gguf: its tokenizer cannot be read \(IndexError"):
+        Engine.from_pretrained(_patched(path, tmp_path, "tokenizer.ggml.eos_token_id", 10**6, "eos"), weights=weights)
+
+
 def test_a_changed_gguf_leaves_no_int4_pack_of_its_old_conversion(tmp_path, monkeypatch):
     """weights="int4" of a GGUF packs its float conversion; when the GGUF changed, the new conversion
     replaced the old one but the old one's pack (about the model's size) stayed for good."""
@@ -364,12 +374,12 @@ def test_a_damaged_config_or_tokenizer_of_a_pack_is_repacked(tmp_path, monkeypat
     assert model is not None and tokenizer is not None and (pack / name).read_bytes() == whole
 
 
-def _patched(path, tmp_path, key: str, value: int):
+def _patched(path, tmp_path, key: str, value: int, name: str | None = None):
     """A copy of a GGUF with one uint32 metadata value changed (key, then its type id, then the value)."""
     data = bytearray(path.read_bytes())
     at = data.index(key.encode()) + len(key) + 4
     data[at:at + 4] = value.to_bytes(4, "little")
-    out = tmp_path / f"{key}-{value}.gguf"
+    out = tmp_path / f"{name or key}-{value}.gguf"
     out.write_bytes(bytes(data))
     return out
 

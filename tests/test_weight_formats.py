@@ -301,6 +301,32 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path, monkeypatc
     assert not (tmp_path / "home" / "packed").exists() or not list((tmp_path / "home" / "packed").glob("tiny-*"))
 
 
+def test_a_damaged_checkpoint_file_and_an_unknown_rope_type_are_named(tmp_path, monkeypatch):
+    """safetensors' "header too large" named no file (of a checkpoint's shards); a rope_type transformers
+    does not know was a bare KeyError from its build."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from kvboost_engine import UnsupportedModelError
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    source = tmp_path / "tiny"
+    tiny_model("llama", seed=5).save_pretrained(source, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)
+    shard = sorted(source.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[:8] = (2**60).to_bytes(8, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=rf"{shard.name} is damaged or cut short"):
+        Engine.from_pretrained(source, device="cpu")
+    config = json.loads((source / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    config[key] = {**(config.get(key) or {}), "rope_type": "ntk-by-parts", "factor": 2.0}
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="rope_type 'ntk-by-parts' is not supported"):
+        Engine.from_pretrained(source, device="cpu")
+
+
 def test_the_memory_estimate_counts_the_files_transformers_loads(tmp_path):
     """Mistral repositories ship consolidated.safetensors beside the HF files: the same weights again
     (the estimate doubled, which could refuse a model that fits)."""

@@ -127,6 +127,13 @@ def _check_options(config, model_type: str) -> None:
         raise UnsupportedModelError(
             f"{model_type} with use_bidirectional_attention=True (an embedding model) is not supported: "
             "kvboost runs causal language models")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = compat.rope_parameters(config)
+    for settings in (params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]):
+        kind = settings.get("rope_type", settings.get("type", "default"))
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:       # transformers' build: a bare KeyError
+            raise UnsupportedModelError(f"{model_type} with rope_type {kind!r} is not supported (transformers knows: "
+                                        f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         # transformers' Gemma 3 attention stores the value but never applies it (nor would our
         # attention function); refusing is better than silently differing from the reference.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .gguf_rope import apply_gguf_rope
 
@@ -34,6 +34,17 @@ def gguf_config(gguf_path: Path, file: GGUFFile | None = None):
     if config.model_type == "gemma3_text":
         config.query_pre_attn_scalar = gemma3_query_scalar(config)
     return config
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """transformers' tokenizer of a GGUF; a token id the file names past its vocabulary (its
+    eos / bos / pad) is an InputError naming the file, not a bare IndexError from the reader."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (IndexError, KeyError) as err:
+        raise InputError(f"{gguf_path}: its tokenizer cannot be read ({type(err).__name__}: {err}): a token id "
+                         "in its metadata (tokenizer.ggml.eos_token_id, ...) past its vocabulary?") from err
 
 
 BIASES_READ = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}   # the block biases each model has

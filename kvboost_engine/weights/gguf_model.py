@@ -33,7 +33,7 @@ from ..errors import InputError
 from ..model.building import building_model
 from ..paths import build_lock, cache_home, drop_superseded, made, staging_dir
 from .gguf_blocks import dequantize
-from .gguf_config import gguf_config
+from .gguf_config import gguf_config, gguf_tokenizer
 from .gguf_file import GGUFFile, check_gguf
 from .gguf_repack import fits_packed, repack, unpermute_rows, zero_code
 from .memory import available_bytes, check_fits
@@ -127,13 +127,10 @@ def _gguf_names(model: nn.Module, arch: str, layers: int) -> dict[str, str]:
 
 
 def _build(gguf_path: Path, target: Path) -> None:
-    from transformers import AutoTokenizer
-
     started = time.perf_counter()
-    folder, name = str(gguf_path.parent), gguf_path.name
     file = GGUFFile(gguf_path)
     config = gguf_config(gguf_path, file)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = gguf_tokenizer(gguf_path)
     arch, layers = file.architecture, int(file.field(f"{file.architecture}.block_count"))
     model = skeleton(config)
     write_packed_dir(target, lambda writer: _write_tensors(model, file, arch, layers, config, writer),
