@@ -27,7 +27,7 @@ from .errors import InputError, ModelNotFoundError, UnsupportedModelError
 from .named_models import NamedModel, fetch_gguf, named_model
 from .native import build
 from .model import compat
-from .model.building import building_model, load_checkpoint
+from .model.building import building_model
 from .progress import Stages
 from .paths import build_folder, build_lock, cache_home, drop_superseded, publish, published
 from .weights.gguf_model import COMPLETE as _COMPLETE, is_packed_dir, load_packed, packed_gguf_dir, stored_by_default
@@ -278,6 +278,7 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
     from .weights.awq.loader import load_awq_model
     from .weights.hf_pack import load_hf_packed
     from .weights.memory import check_fits, float_model_bytes
+    from .weights.hf_checkpoint import load_checkpoint
     from .weights.quantized import check_weights_format, convert_model
 
     fmt = check_weights_format(weights, dtype, device)

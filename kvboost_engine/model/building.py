@@ -26,23 +26,3 @@ def building_model():
     """Hold while transformers builds a model (from_pretrained, from_config)."""
     with _BUILD_LOCK:
         yield
-
-
-def load_checkpoint(source, config, dtype):
-    """transformers' model of the HF checkpoint in `source` (under the lock), refusing what it would
-    load wrong without a word: a tensor the config needs that no file holds (it fills it with random
-    values), and a damaged file (its error names none: the file is named here)."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    from ..errors import InputError
-    from ..weights.safetensors_file import damaged_file
-    try:
-        with building_model():
-            model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, output_loading_info=True)
-    except SafetensorError as err:
-        raise InputError(f"{source}: {damaged_file(source) or err}") from err
-    if info.get("missing_keys"):
-        missing = sorted(info["missing_keys"])
-        raise InputError(f"{source} lacks tensor {missing[0]} ({len(missing)} missing in all) that its config.json needs")
-    return model

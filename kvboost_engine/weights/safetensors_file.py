@@ -58,16 +58,3 @@ class SafetensorsFile:
         first = begin // page * page
         self._mapped.madvise(mmap.MADV_DONTNEED, first, min(-(-end // page) * page, len(self._mapped)) - first)
         return out
-
-
-def damaged_file(folder: Path) -> str | None:
-    """The first .safetensors file in `folder` whose header safetensors refuses, and why (None: all
-    read): to name the file behind a load's bare "header too large" / "incomplete metadata"."""
-    from safetensors import safe_open
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        try:
-            with safe_open(str(path), "pt"):
-                pass
-        except Exception as err:  # noqa: BLE001 - safetensors' own error types vary by version
-            return f"{path.name} is damaged or cut short ({err})"
-    return None

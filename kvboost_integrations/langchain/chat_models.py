@@ -71,7 +71,7 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
 
     # ---- requests (streaming written once; the rest aggregates it) -----------------------
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any]) -> tuple[Callable[[], GenerationStream], "_Reply"]:
+                 kwargs: dict[str, Any]) -> tuple[Callable[[], GenerationStream], ChatReply]:
         tools = kwargs.pop("tools", None) or []
         kwargs.pop("stream", None)              # LangChain's routing flag (invoke(..., stream=True)), not sampling
         names = [tool["function"]["name"] for tool in tools]

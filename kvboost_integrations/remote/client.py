@@ -33,8 +33,7 @@ def _openai():
     try:
         import openai
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError('the remote backend needs the openai client: pip install "kvboost-integrations[remote]"') \
-            from err
+        raise ImportError('the remote backend needs the openai client: pip install "kvboost-integrations[remote]"') from err
     return openai
 
 
@@ -109,9 +108,8 @@ class Replica:
     def _make(self, cls):
         openai = _openai()
         timeout = openai.Timeout(self.read_timeout_s, connect=self.connect_timeout_s)
-        # an async client's own HTTP client: openai's default one closes itself on collection by
-        # scheduling a task on whatever loop runs then, which fails (logged as an error) once the
-        # client's loop is gone (an asyncio.run per request); this one is dropped quietly
+        # async: openai's default HTTP client closes itself when collected by a task on whatever loop runs
+        # then, logged as an error once its own loop is gone (an asyncio.run per request); this one does not
         extra = {"http_client": openai.DefaultAsyncHttpxClient(timeout=timeout)} if cls is openai.AsyncOpenAI else {}
         return cls(base_url=self.url, api_key=self.api_key, max_retries=self.max_retries, timeout=timeout, **extra)
 
