@@ -40,6 +40,16 @@ def test_open_objects_are_closed_except_where_the_schema_or_an_allof_says_otherw
     assert closed["x-guidance"]["whitespace_flexible"] is False
 
 
+def test_a_required_key_without_a_schema_of_its_own_stays_allowed_when_the_object_is_closed(grammar_engine):
+    """Closing the object forbade a key that `required` names but `properties` does not describe: a
+    valid schema was refused as unsatisfiable ("required property 'b' is unsatisfiable")."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+    closed = prepare_schema(schema)
+    assert closed["properties"] == {"a": {"type": "integer"}, "b": {}} and closed["additionalProperties"] is False
+    assert schema["properties"] == {"a": {"type": "integer"}}
+    grammar_engine.constraint(JsonSchema(schema))                      # accepted
+
+
 def test_json_schema_output_validates_with_real_tokens_and_usage(grammar_engine, smol):
     stream = grammar_engine.stream_chat(ASK, constraint=JsonSchema(PET), max_new_tokens=60)
     streamed = "".join(stream)

@@ -48,6 +48,11 @@ def _close(node, keep_open: set[str], path: str = "#", merged: bool = False) -> 
     if ("properties" in node and not any(key in node for key in _OPEN_KEYS) and path not in keep_open
             and not combined and not merged):
         node["additionalProperties"] = False
+        properties = node["properties"]
+        if isinstance(properties, Mapping) and isinstance(node.get("required"), (list, tuple)):
+            extra = {name: {} for name in node["required"] if isinstance(name, str) and name not in properties}
+            if extra:                   # a required key with no schema of its own: any value (closing forbade it)
+                node["properties"] = {**properties, **extra}
     for key in _SCHEMA_LISTS:
         subs = node.get(key)
         if subs is not None and not isinstance(subs, (list, tuple)):
