@@ -90,12 +90,9 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.de
 
 
 def _same(value, default) -> bool:
-    """Whether `value` is the default: equal, and of its kind (True is not 1; 2147483648.0 is 2**31)."""
+    """Whether `value` is the default: of its very type and equal (2147483648.0 is no cache_bytes the
+    engine takes, and True is not 1: such a value keys its own engine, whose load refuses it)."""
     try:
-        if isinstance(value, bool) or isinstance(default, bool):
-            return type(value) is type(default) and value == default
-        if isinstance(value, (int, float)) and isinstance(default, (int, float)):
-            return bool(value == default)
         return type(value) is type(default) and bool(value == default)
     except Exception:  # noqa: BLE001 - a value that cannot be compared is not the default
         return False

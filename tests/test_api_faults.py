@@ -144,6 +144,7 @@ def test_equal_options_spelled_otherwise_share_one_engine(tmp_path, monkeypatch)
     for options in [{"cache_bytes": 1}, {"weights": "int8"}, {"dtype": "bfloat16"}, {"paged": False}]:
         assert _key(str(folder), options) != plain, options
     assert _key(str(folder), {"cache_bytes": True}) != _key(str(folder), {"cache_bytes": 1})
+    assert _key(str(folder), {"cache_bytes": float(EngineConfig().cache_bytes)}) != plain    # refused by the load
 
 
 def test_closing_one_subscription_leaves_another_of_the_same_callback():

@@ -62,6 +62,23 @@ def test_timeout_bounds_the_whole_request_over_every_replica():
         assert time.perf_counter() - started < TIMEOUT_S + SLACK_S
 
 
+def test_timeout_bounds_a_reply_that_never_starts_with_openais_retries():
+    """Before a response's headers the deadline could not cut: each attempt, and each of openai's own
+    retries (max_retries), waited the whole read timeout (5 s at timeout=1, max_retries=2); the async
+    path raised ReplicaUnavailableError where the sync one raised a timeout."""
+    with FakeServer(fault=Fault("hang")) as server:
+        engine = RemoteEngine(server.url, served_model="fake-model", timeout=TIMEOUT_S, max_retries=2)
+
+        async def ask():
+            return [item async for item in engine.astream_chat(HI)]
+        for run in (lambda: engine.chat(HI), lambda: asyncio.run(ask())):
+            started = time.perf_counter()
+            with pytest.raises(RequestTimeoutError):
+                run()
+            assert time.perf_counter() - started < TIMEOUT_S + SLACK_S
+        engine.close()
+
+
 def test_a_reply_that_ends_in_time_is_kept_and_the_timer_is_gone():
     with FakeServer(chunk_delay_s=0.01) as server:
         engine = RemoteEngine(server.url, served_model="fake-model", timeout=5)

@@ -68,6 +68,10 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
         reply = Reply("chat", "smol", ToolReply(HERMES, one_call))
         message = reply.complete(Generation(text=TWO_CALLS, finish_reason="stop"))["choices"][0]["message"]
         assert [c["function"]["arguments"] for c in message["tool_calls"]] == expected
+    broken_second = TWO_CALLS.replace('{"city": "Paris"}', "Paris")       # the first call kept all the same
+    message = Reply("chat", "smol", ToolReply(HERMES, True)).complete(
+        Generation(text=broken_second, finish_reason="stop"))["choices"][0]["message"]
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"city": "Rome"}']
 
 
 def test_a_negative_seed_is_a_signed_64_bit_seed(server):
@@ -101,6 +105,8 @@ def test_context_window_errors_name_the_clients_field(smol):
         assert error["param"] == "prompt" and "no room for a reply" in error["message"]
         error = _chat(served, messages=[{"role": "user", "content": long}]).json()["error"]
         assert error["param"] == "messages" and "max_new_tokens" not in error["message"]
+        error = _chat(served, messages=[{"role": "user", "content": long}], max_tokens=5).json()["error"]
+        assert error["param"] == "messages"         # no budget would fit: the prompt is what to change
     engine.close()
 
 

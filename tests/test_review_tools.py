@@ -93,6 +93,8 @@ def _bound_schema(runnable):
     (NUMBERS, NUMBERS),
     ({"title": "answer", "enum": ["yes", "no"]}, {"title": "answer", "enum": ["yes", "no"]}),
     ({"type": "array", "items": {"type": "integer"}}, {"type": "array", "items": {"type": "integer"}}),
+    ({"name": "city_info", "description": "a city", "input_schema": INNER}, INNER),            # Anthropic's tool
+    ({"toolSpec": {"name": "city_info", "inputSchema": {"json": INNER}}}, INNER),               # Bedrock's
 ])
 def test_dict_schemas_are_followed_as_they_are(review_engine, schema, followed):
     """LangChain's convert_to_json_schema shrank OpenAI's {"name", "schema"} forms and titled

@@ -176,7 +176,7 @@ def _window_error(err: ContextWindowError, call: Call, prompt_tokens: int | None
     one, the prompt that leaves no room for a reply."""
     if prompt_tokens is None:
         return err
-    if call.budget_field is not None:
+    if call.budget_field is not None and prompt_tokens < window:     # else no budget would fit: the prompt's fault
         asked = call.params["max_new_tokens"]
         error = ContextWindowError(f"prompt has {prompt_tokens} tokens and {call.budget_field} is {asked}: together "
                                    f"{prompt_tokens + asked}, beyond the model's context window of {window} tokens")

@@ -126,11 +126,12 @@ class ToolReply:
         all its text."""
         before = self.splitter.shown
         rest, calls = self.splitter.finish(cut)
+        calls = calls[:1] if self.one_call else calls       # a later call, kept or not, is dropped either way
         if any(c["name"] is None or not _json_object(c["args"]) for c in calls):
             return self.splitter.text[before:], []
         return rest, [{"index": i, "id": c["id"], "type": "function",
                        "function": {"name": c["name"], "arguments": c["args"]}}
-                for i, c in enumerate(calls[:1] if self.one_call else calls)]
+                for i, c in enumerate(calls)]
 
 
 def _json_object(text: str) -> bool:

@@ -19,17 +19,21 @@ class LengthCutError(OutputParserException):
 
 def json_schema_of(schema: dict | type) -> dict:
     """The JSON schema the output must follow. A dict is used as it is (whatever its top level: an
-    object, an array, an enum; titled or not), once unwrapped from OpenAI's forms ({"type":
-    "json_schema", "json_schema": {"schema": ...}}, {"name", "schema", "strict"}, a tool or function
-    dict's `parameters`); LangChain's `convert_to_json_schema` only reads Pydantic classes, TypedDicts
-    and functions (given a dict, it shrinks a titled non-object schema to its title: any JSON)."""
+    object, an array, an enum; titled or not), once unwrapped from a provider's forms (OpenAI's
+    {"type": "json_schema", "json_schema": {"schema": ...}} and {"name", "schema", "strict"}, a tool
+    or function dict's `parameters`, Anthropic's `input_schema`, Bedrock's `toolSpec.inputSchema.json`);
+    LangChain's `convert_to_json_schema` only reads Pydantic classes, TypedDicts and functions
+    (given a dict, it shrinks a titled non-object schema to its title: any JSON)."""
     if not isinstance(schema, dict):
         return convert_to_json_schema(schema)
     if schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
         schema = schema["json_schema"]
     if schema.get("type") == "function" and isinstance(schema.get("function"), dict):
         schema = schema["function"]
-    for key in ("schema", "parameters"):
+    spec = schema.get("toolSpec")
+    if isinstance(spec, dict) and isinstance(spec.get("inputSchema"), dict) and isinstance(spec["inputSchema"].get("json"), dict):
+        return spec["inputSchema"]["json"]          # Bedrock's tool form
+    for key in ("schema", "parameters", "input_schema"):        # OpenAI's, a function's, Anthropic's tool form
         if isinstance(schema.get("name"), str) and isinstance(schema.get(key), dict):
             return schema[key]
     return schema

@@ -72,20 +72,25 @@ class Cutoff:
         """The socket `stream` (an openai Stream) reads is the one to shut down (at once if already cut)."""
         sock = _socket_of(stream)
         with self._lock:
-            self._sock, reason = sock, self.reason
-        if reason is not None:
-            _shut(sock)
+            self._sock = sock
+            if self.reason is not None:
+                _shut(sock)
 
     def unwatch(self) -> None:
+        """The attempt's stream is done with its socket: from now on no cut reaches it (call it before
+        the stream is closed, which hands the connection back to the pool for another request)."""
         with self._lock:
             self._sock = None
 
     def cut(self, reason: str) -> None:
-        with self._lock:
+        with self._lock:                # shut under the lock: never after unwatch() handed the socket on
             if self.reason is None:
                 self.reason = reason
-            sock = self._sock
-        _shut(sock)
+            _shut(self._sock)
+
+    def left(self) -> float | None:
+        """Seconds to the deadline (0 past it; None: no deadline)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def check(self) -> None:
         """RequestTimeoutError once the deadline has passed (it cuts the attempt in flight too)."""
@@ -105,6 +110,19 @@ class Cutoff:
         if self._cancel is not None:
             self._cancel.detach(self._on_cancel)
         self.unwatch()
+
+
+def attempt_client(replica, seconds: float | None, asynchronous: bool = False):
+    """`replica`'s client (async: the running loop's) for one attempt with `seconds` left of its
+    request's deadline: its timeouts capped to them and none of openai's own retries (each would wait
+    its whole timeout again); None: the client as it is."""
+    client = replica.aclient if asynchronous else replica.client
+    if seconds is None:
+        return client
+    import openai
+    seconds = max(seconds, 0.001)
+    return client.with_options(max_retries=0, timeout=openai.Timeout(min(replica.read_timeout_s, seconds),
+                                                                      connect=min(replica.connect_timeout_s, seconds)))
 
 
 def _socket_of(stream) -> socket.socket | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvboost_engine import RequestTimeoutError
 
 from .client import Replica, describe_failure, is_replica_failure
-from .cutoff import Cutoff
+from .cutoff import Cutoff, attempt_client
 from .errors import EngineClosedError, ReplicaUnavailableError, ReplyInterruptedError
 from .generation import RemoteGeneration, ReplyState
 from .routing import Router
@@ -82,16 +82,19 @@ class Dispatcher:
             replica.cutoffs.add(cutoff)         # the engine's close() cuts it
             try:
                 before = self._counters_before(replica)
-                with _create(replica.client, kind, body) as chunks:
+                with _create(attempt_client(replica, cutoff.left()), kind, body) as chunks:
                     cutoff.watch(chunks)
-                    for chunk in chunks:
-                        delta = reply.feed(kind, chunk)
-                        if delta:
-                            yield delta
-                        if cancel.is_set():
-                            break
-                        if reply.finish_reason is None:
-                            cutoff.check()  # after every chunk: empty deltas and tool-call arguments too
+                    try:
+                        for chunk in chunks:
+                            delta = reply.feed(kind, chunk)
+                            if delta:
+                                yield delta
+                            if cancel.is_set():
+                                break
+                            if reply.finish_reason is None:
+                                cutoff.check()  # after every chunk: empty deltas and tool-call arguments too
+                    finally:
+                        cutoff.unwatch()    # before the connection goes back to the pool
                 cancelled = cancel.is_set()
                 if not cancelled:
                     if reply.finish_reason is None:
@@ -106,11 +109,11 @@ class Dispatcher:
                     self._attempt_failed(name, err, reply, request, closes)
                     continue
             finally:
-                cutoff.unwatch()
                 replica.cutoffs.discard(cutoff)
                 self.router.end(name)
             after = replica.prefix_counters() if before is not None else None
             return self._finish(name, reply, request, body["model"], cancelled, (before, after), load)
+        cutoff.check()                      # the last attempt ran out of time: a timeout, as the others
         raise request.unavailable()
 
     async def arun(self, key: int, kind: str, body: dict) -> AsyncIterator[str | RemoteGeneration]:
@@ -125,7 +128,12 @@ class Dispatcher:
             load = self.router.load(name)
             try:
                 before = await asyncio.to_thread(self._counters_before, replica)
-                async with await _create(replica.aclient, kind, body) as chunks:
+                opened = _create(attempt_client(replica, _left(deadline), asynchronous=True), kind, body)
+                try:                        # the response's start within the deadline too
+                    stream = await asyncio.wait_for(opened, _left(deadline))
+                except asyncio.TimeoutError:
+                    _check_deadline(deadline, self.timeout, now=math.inf)
+                async with stream as chunks:
                     chunks = aiter(chunks)
                     while True:             # each chunk within what is left of the deadline
                         try:
@@ -150,6 +158,7 @@ class Dispatcher:
             after = await asyncio.to_thread(replica.prefix_counters) if before is not None else None
             yield self._finish(name, reply, request, body["model"], False, (before, after), load)
             return
+        _check_deadline(deadline, self.timeout)
         raise request.unavailable()
 
     def _timed_out(self, name: str, reply: ReplyState) -> None:
