@@ -13,7 +13,7 @@ from gguf import GGUFReader, quants
 
 from kvboost_engine import Engine
 from kvboost_engine.errors import InputError
-from kvboost_engine.loading import converted_gguf_dir, load_model_and_tokenizer
+from kvboost_engine.loading import converted_gguf_dir, load_model_and_tokenizer, resolve_model_dir
 from kvboost_engine.native import build
 from kvboost_engine.weights import gguf_model
 from kvboost_engine.weights.gguf_file import GGUFFile
@@ -242,12 +242,14 @@ def test_a_changed_gguf_leaves_no_int4_pack_of_its_old_conversion(tmp_path, monk
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     path = tmp_path / "c.gguf"
     write_model(path, "llama", Q.Q8_0, embed=Q.Q8_0)
-    Engine.from_pretrained(path, weights="int4").close()
+    load = lambda: load_model_and_tokenizer(resolve_model_dir(path, "int4"), device=torch.device("cpu"),  # noqa: E731
+                                            dtype=torch.float32, weights="int4")
+    load()                              # the loads an Engine makes (without building the native step here)
     packed = tmp_path / "home" / "packed"
     first = [p.name for p in packed.iterdir() if p.name.startswith("c-")]
     assert len(first) == 1
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))      # the file changed
-    Engine.from_pretrained(path, weights="int4").close()
+    load()
     second = [p.name for p in packed.iterdir() if p.name.startswith("c-")]
     assert len(second) == 1 and second != first
     assert len([p for p in (tmp_path / "home" / "models").iterdir() if p.name.startswith("c-")]) == 1

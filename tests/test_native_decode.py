@@ -199,9 +199,9 @@ def test_a_step_gives_the_same_numbers_on_any_number_of_threads(tmp_path, weight
 
 
 @needs_cpu
-def test_engine_uses_it_by_default_and_off_on_request(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path))
-    model = int4_model("llama", tmp_path)
+def test_engine_uses_it_by_default_and_off_on_request(tmp_path):
+    model = int4_model("llama", tmp_path)           # the shared cache's library and default model (a home in
+    # tmp_path built both again: 88 s of the suite)
     from transformers import AutoTokenizer
     from kvboost_engine.loading import default_model_dir
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())

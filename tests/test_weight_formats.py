@@ -270,10 +270,10 @@ def test_a_checkpoint_whose_config_disagrees_is_refused_when_packed(tmp_path, mo
     from kvboost_engine.loading import default_model_dir
     from tiny_models import tiny_model
 
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     source = tmp_path / "tiny"
     tiny_model("llama", seed=5).save_pretrained(source)
-    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)     # the shared cache's default model
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     config = json.loads((source / "config.json").read_text())
     config["num_key_value_heads"] = config["num_attention_heads"]           # the tensors hold fewer
     (source / "config.json").write_text(json.dumps(config))
@@ -289,10 +289,10 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path, monkeypatc
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     source = tmp_path / "tiny"
     tiny_model("llama", seed=5).save_pretrained(source)
-    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)     # the shared cache's default model
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     stored = load_file(source / "model.safetensors")
     del stored["model.layers.1.mlp.gate_proj.weight"]
     save_file(stored, source / "model.safetensors", metadata={"format": "pt"})
@@ -309,10 +309,10 @@ def test_a_damaged_checkpoint_file_and_an_unknown_rope_type_are_named(tmp_path, 
     from transformers import AutoTokenizer
 
     from kvboost_engine import UnsupportedModelError
-    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     source = tmp_path / "tiny"
     tiny_model("llama", seed=5).save_pretrained(source, max_shard_size="100KB")
-    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(source)     # the shared cache's default model
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     shard = sorted(source.glob("*.safetensors"))[1]
     data = bytearray(shard.read_bytes())
     data[:8] = (2**60).to_bytes(8, "little")
