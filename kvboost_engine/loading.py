@@ -219,8 +219,14 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     with Stages(f"kvboost: converting {name} to an HF directory (one time)", 3) as stages:
         tokenizer = gguf_tokenizer(gguf_path)
         stages.done("tokenizer read")
-        with building_model():
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=gguf_config(gguf_path), dtype=torch.float32)
+        try:
+            with building_model():
+                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=gguf_config(gguf_path), dtype=torch.float32)
+        except RuntimeError as err:     # transformers: "You set `ignore_mismatched_sizes` to `False`..."
+            if "mismatch" not in str(err):
+                raise
+            raise InputError(f"{gguf_path}: a tensor's shape disagrees with the model its metadata describes "
+                             f"(head counts, sizes; transformers' report above names it)") from err
         stages.done("weights dequantized")
         # transformers marks GGUF-loaded models as quantized; the weights are plain floats now.
         if hasattr(model.config, "quantization_config"):

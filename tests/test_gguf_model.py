@@ -401,7 +401,8 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused_at_load(tmp_path, m
 def test_the_float32_conversion_refuses_what_the_packed_load_refuses(tmp_path, monkeypatch):
     """weights="fp32" (and any file the native step cannot take) went through transformers, which
     fills a missing tensor with random values and drops a layer past block_count: it loaded, answered
-    garbage, and the broken conversion was cached for every later load."""
+    garbage, and the broken conversion was cached for every later load; a shape that disagrees with the
+    metadata was transformers' "You set `ignore_mismatched_sizes` to `False`" (the user set nothing)."""
     monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
     path = tmp_path / "t.gguf"
     write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
@@ -409,6 +410,8 @@ def test_the_float32_conversion_refuses_what_the_packed_load_refuses(tmp_path, m
         Engine.from_pretrained(_patched(path, tmp_path, "llama.block_count", 1), weights="fp32")
     with pytest.raises(InputError, match=r"lacks tensor blk.2.attn_norm.weight \(9 missing in all\)"):
         Engine.from_pretrained(_patched(path, tmp_path, "llama.block_count", 3), weights="fp32")
+    with pytest.raises(InputError, match="a tensor's shape disagrees with the model its metadata describes"):
+        Engine.from_pretrained(_patched(path, tmp_path, "llama.attention.head_count_kv", 4), weights="fp32")
     models = tmp_path / "home" / "models"
     assert not models.exists() or not [p for p in models.iterdir() if not p.name.startswith(".")]
 
