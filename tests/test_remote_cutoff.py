@@ -103,19 +103,28 @@ def _read_in_thread(stream) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+def _stalled_read(server, stop) -> tuple[str, dict]:
+    """Two chunks of a reply, then the rest read in another thread from a server that stalls;
+    `stop(engine, stream)` from here must end that read at once. The first delta, and what the read saw."""
+    engine = RemoteEngine(server.url, served_model="fake-model", read_timeout_s=30)
+    stream = engine.stream_chat(HI)
+    first = next(stream)
+    thread, out = _read_in_thread(stream)
+    time.sleep(0.3)
+    started = time.perf_counter()
+    stop(engine, stream)
+    thread.join(10)
+    assert not thread.is_alive() and time.perf_counter() - started < SLACK_S
+    out["engine"] = engine
+    return first, out
+
+
 def test_a_cancel_wakes_a_read_blocked_on_a_stalled_server():
     """A cancel was seen only when the next chunk came: against a stalled server, after
     read_timeout_s (then the replica was marked down, though the user had cancelled)."""
     with FakeServer(fault=Fault("hang", after_chunks=2)) as server:
-        engine = RemoteEngine(server.url, served_model="fake-model", read_timeout_s=30)
-        stream = engine.stream_chat(HI)
-        first = next(stream)
-        thread, out = _read_in_thread(stream)
-        time.sleep(0.3)
-        started = time.perf_counter()
-        stream.cancel()
-        thread.join(10)
-        assert not thread.is_alive() and time.perf_counter() - started < SLACK_S
+        first, out = _stalled_read(server, lambda engine, stream: stream.cancel())
+        engine = out["engine"]
         assert "error" not in out and out["generation"].finish_reason == "cancelled"
         assert first + out["text"] == out["generation"].text
         assert not engine.router.state()[server.url]["down"]
@@ -125,15 +134,7 @@ def test_a_cancel_wakes_a_read_blocked_on_a_stalled_server():
 def test_close_wakes_a_read_blocked_on_a_stalled_server():
     """close() returned at once but the reader stayed blocked until read_timeout_s (22 s measured)."""
     with FakeServer(fault=Fault("hang", after_chunks=2)) as server:
-        engine = RemoteEngine(server.url, served_model="fake-model", read_timeout_s=30)
-        stream = engine.stream_chat(HI)
-        next(stream)
-        thread, out = _read_in_thread(stream)
-        time.sleep(0.3)
-        started = time.perf_counter()
-        engine.close()
-        thread.join(10)
-        assert not thread.is_alive() and time.perf_counter() - started < SLACK_S
+        _, out = _stalled_read(server, lambda engine, stream: engine.close())
         assert isinstance(out.get("error"), EngineClosedError)
 
 

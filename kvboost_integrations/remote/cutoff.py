@@ -43,6 +43,29 @@ class CancelEvent(threading.Event):
                 self._hooks.remove(hook)
 
 
+class Deadline:
+    """A request's deadline, `timeout` seconds from now (None: none); the sync and async paths' one rule."""
+
+    def __init__(self, timeout: float | None):
+        self.timeout = timeout
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        """Seconds to the deadline (0 past it; None: no deadline)."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def check(self) -> None:
+        if self.passed():
+            raise self.error()
+
+    def error(self) -> RequestTimeoutError:
+        return RequestTimeoutError(f"the request took longer than its timeout of {self.timeout:g} s "
+                                   "(the classes' timeout bounds the whole request, every replica tried included)")
+
+
 class Cutoff:
     """One request's cut-off. `reason`: None, "timeout", "cancel" or "closed" (the first that came).
 
@@ -51,8 +74,7 @@ class Cutoff:
     """
 
     def __init__(self, timeout: float | None, cancel: threading.Event):
-        self.timeout = timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.deadline = Deadline(timeout)
         self.reason: str | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -89,19 +111,14 @@ class Cutoff:
             _shut(self._sock)
 
     def left(self) -> float | None:
-        """Seconds to the deadline (0 past it; None: no deadline)."""
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return self.deadline.left()
 
     def check(self) -> None:
         """RequestTimeoutError once the deadline has passed (it cuts the attempt in flight too)."""
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.deadline.passed():
             self.cut("timeout")
         if self.reason == "timeout":
-            raise self.timed_out()
-
-    def timed_out(self) -> RequestTimeoutError:
-        return RequestTimeoutError(f"the request took longer than its timeout of {self.timeout:g} s "
-                                   "(the classes' timeout bounds the whole request, every replica tried included)")
+            raise self.deadline.error()
 
     def stop(self) -> None:
         """The request has ended: no timer, no hook, no socket."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from kvboost_engine import RequestTimeoutError
 
 from .client import Replica, describe_failure, is_replica_failure
-from .cutoff import Cutoff, attempt_client
+from .cutoff import Cutoff, Deadline, attempt_client
 from .errors import EngineClosedError, ReplicaUnavailableError, ReplyInterruptedError
 from .generation import RemoteGeneration, ReplyState
 from .routing import Router
@@ -104,7 +103,7 @@ class Dispatcher:
                 cancelled = cancel.is_set() and cutoff.reason == "cancel"
                 if cutoff.reason == "timeout" and reply.finish_reason is None:
                     self._timed_out(name, reply)
-                    raise cutoff.timed_out() from err
+                    raise cutoff.deadline.error() from err
                 if not cancelled and not _done_anyway(name, err, reply):
                     self._attempt_failed(name, err, reply, request, closes)
                     continue
@@ -119,29 +118,29 @@ class Dispatcher:
     async def arun(self, key: int, kind: str, body: dict) -> AsyncIterator[str | RemoteGeneration]:
         """`run` through the async client: text deltas, then the RemoteGeneration."""
         request = _Request()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = Deadline(self.timeout)
         for name in self.router.candidates(key):
-            _check_deadline(deadline, self.timeout)
+            deadline.check()
             replica, reply = self.replicas[name], ReplyState(request.started)
             closes = replica.closes
             self.router.begin(name)
             load = self.router.load(name)
             try:
                 before = await asyncio.to_thread(self._counters_before, replica)
-                opened = _create(attempt_client(replica, _left(deadline), asynchronous=True), kind, body)
+                opened = _create(attempt_client(replica, deadline.left(), asynchronous=True), kind, body)
                 try:                        # the response's start within the deadline too
-                    stream = await asyncio.wait_for(opened, _left(deadline))
+                    stream = await asyncio.wait_for(opened, deadline.left())
                 except asyncio.TimeoutError:
-                    _check_deadline(deadline, self.timeout, now=math.inf)
+                    raise deadline.error() from None
                 async with stream as chunks:
                     chunks = aiter(chunks)
                     while True:             # each chunk within what is left of the deadline
                         try:
-                            chunk = await asyncio.wait_for(anext(chunks), _left(deadline))
+                            chunk = await asyncio.wait_for(anext(chunks), deadline.left())
                         except StopAsyncIteration:
                             break
                         except asyncio.TimeoutError:
-                            _check_deadline(deadline, self.timeout, now=math.inf)
+                            raise deadline.error() from None
                         delta = reply.feed(kind, chunk)
                         if delta:
                             yield delta
@@ -158,7 +157,7 @@ class Dispatcher:
             after = await asyncio.to_thread(replica.prefix_counters) if before is not None else None
             yield self._finish(name, reply, request, body["model"], False, (before, after), load)
             return
-        _check_deadline(deadline, self.timeout)
+        deadline.check()                    # the last attempt ran out of time: a timeout, as the others
         raise request.unavailable()
 
     def _timed_out(self, name: str, reply: ReplyState) -> None:
@@ -232,16 +231,6 @@ def _done_anyway(name: str, err: Exception, reply: ReplyState) -> bool:
     log.warning("kvboost remote: replica %s's stream broke after its reply was complete (%s: %s); the reply "
                 "is kept, without the server's usage", name, type(err).__name__, err)
     return True
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _check_deadline(deadline: float | None, timeout: float | None, now: float | None = None) -> None:
-    if deadline is not None and (time.monotonic() if now is None else now) >= deadline:
-        raise RequestTimeoutError(f"the request took longer than its timeout of {timeout:g} s (the classes' "
-                                  "timeout bounds the whole request, every replica tried included)")
 
 
 def _create(client, kind: str, body: dict):
