@@ -65,6 +65,61 @@ def test_a_cut_short_or_damaged_pack_file_is_written_again(llama_awq, tmp_path):
         assert os.path.getsize(pack) == size
 
 
+def test_a_pack_file_whose_bytes_changed_is_written_again(llama_awq, tmp_path):
+    """Bytes flipped inside the data (header and length intact) were streamed as they were: the model
+    answered garbage with no error."""
+    packs = tmp_path / "packs"
+    model = _load(llama_awq, resident_layers=0, pack_dir=packs)
+    with torch.no_grad():
+        want = model(IDS).logits
+    pack = model.kvboost_awq.pack_file
+    model.kvboost_streamer.close()
+    size = os.path.getsize(pack)
+    with open(pack, "r+b") as f:
+        f.seek(size - 4096)
+        block = f.read(256)
+        f.seek(size - 4096)
+        f.write(bytes(b ^ 0xFF for b in block))
+    model = _load(llama_awq, resident_layers=0, pack_dir=packs)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+    model.kvboost_streamer.close()
+
+
+def test_a_killed_pack_writers_file_is_pruned(llama_awq, tmp_path):
+    """A kill -9 mid-write left its temporary file (the pack's size) for good: no prefix the
+    staging pruner knows."""
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    left = packs / ".pack-0123456789abcdef.safetensors.99999.tmp"
+    left.write_bytes(b"x" * 100)
+    os.utime(left, (1, 1))                               # a day old and more
+    model = _load(llama_awq, resident_layers=0, pack_dir=packs)
+    model.kvboost_streamer.close()
+    assert not left.exists()
+
+
+def test_a_pack_write_that_fails_names_the_file(tmp_path):
+    def blobs():
+        yield 0, torch.zeros(64, dtype=torch.uint8)
+        raise OSError(28, "No space left on device")
+    target = tmp_path / "p.safetensors"
+    with pytest.raises(OSError, match="p.safetensors.*No space left.*KVBOOST_HOME") as err:
+        write_pack_file(target, {0: 64, 1: 64}, blobs(), {"format": "x"})
+    assert err.value.errno == 28
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pack_cut_short_while_running_names_the_file(llama_awq, tmp_path):
+    model = _load(llama_awq, resident_layers=0, pack_dir=tmp_path / "packs")
+    pack = model.kvboost_awq.pack_file
+    os.truncate(pack, 1024)
+    with pytest.raises(OSError) as err, torch.no_grad():
+        model(IDS)
+    assert f"pack file {pack}" in str(err.value)        # it was "short read at offset 1024"
+    model.kvboost_streamer.close()
+
+
 def test_an_interrupted_pack_write_leaves_nothing(tmp_path):
     def blobs():
         yield 0, torch.zeros(64, dtype=torch.uint8)
@@ -122,6 +177,7 @@ def test_a_failed_layer_load_frees_its_slot_and_is_retried():
     ({"resident_layers": 0, "staging_slots": 1}, "staging_slots"),
     ({"resident_layers": 0, "staging_slots": "2"}, "staging_slots"),
     ({"resident_bytes": "1GB"}, "resident_bytes"),
+    ({"resident_layers": True}, "resident_layers"),
 ])
 def test_bad_awq_options_are_input_errors(llama_awq, tmp_path, options, match):
     with pytest.raises(InputError, match=match):
@@ -139,6 +195,24 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused(llama_awq, tmp_pat
     (misfit / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="qzeros"):
         _load(misfit)
+
+
+@pytest.mark.parametrize("part,dtype", [("qweight", torch.int16), ("qweight", torch.float32),
+                                        ("qzeros", torch.uint8), ("scales", torch.int32)])
+def test_awq_tensors_of_another_dtype_are_refused(llama_awq, tmp_path, part, dtype):
+    """int16 / uint8 / int32 loaded and answered other tokens; float32 qweight failed in a shift op."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    damaged = tmp_path / "damaged"
+    shutil.copytree(llama_awq, damaged)
+    for file in damaged.glob("*.safetensors"):
+        tensors = load_file(file)
+        name = next((k for k in tensors if k.endswith(f"mlp.down_proj.{part}")), None)
+        if name is not None:
+            tensors[name] = tensors[name].to(dtype)
+            save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=f"down_proj.{part} is {str(dtype).removeprefix('torch.')}"):
+        _load(damaged, pack_dir=tmp_path / "packs")
 
 
 @pytest.mark.skipif(not cpu_int4pack_works(), reason="no CPU int4 kernel in this PyTorch")

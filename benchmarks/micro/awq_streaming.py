@@ -4,7 +4,7 @@ Each configuration runs in its own process so peak RSS is its own:
 
     python -m benchmarks.micro.awq_streaming --awq DIR [--resident 2] [--tokens 48] [--repeats 3] [--out FILE]
 
-With no --awq, the default model is quantized once by our producer (kvboost_engine.awq.quantize)
+With no --awq, the default model is quantized once by our producer (kvboost_tools.awq.quantize)
 into the kvboost cache dir. Greedy decoding, no KV reuse (cache_bytes=0), torch threads = 2.
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ def baseline_rss(awq: str) -> dict:
 
 
 def child(args: list[str]) -> dict:
-    result = subprocess.run([sys.executable, "-m", "benchmarks.awq_streaming", *args],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.micro.awq_streaming", *args],
                             capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -285,3 +285,14 @@ def test_batching_summary_names_llama_prompt_or_that_it_did_not_run():
     ran = {"weights": [], "system_tokens": 48, "llama": {"shared": {"rows": [{"pp": 48, "pl": 8, "speed_tg": 1.0}]}}}
     assert "(its prompt 48 tokens, 48 new;" in summary(ran)["note"]
     assert "(not run in this run;" in summary({"weights": [], "system_tokens": 48})["note"]
+
+
+def test_every_module_a_benchmark_runs_as_a_child_exists():
+    """awq_streaming ran its measurement as `-m benchmarks.awq_streaming`, a module moved to
+    benchmarks/micro/: the README's command failed at once with "No module named ..."."""
+    import importlib.util
+    import re
+    root = Path(__file__).resolve().parents[1]
+    named = {m for f in root.rglob("*.py") for m in re.findall(r'"-m",\s*"(benchmarks(?:\.\w+)+)"', f.read_text())}
+    assert {"benchmarks.micro.awq_streaming", "benchmarks.micro.gguf"} <= named
+    assert [m for m in sorted(named) if importlib.util.find_spec(m) is None] == []

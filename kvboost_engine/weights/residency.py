@@ -75,7 +75,7 @@ def resident_layers_set(num_layers: int, resident_layers: int | None = None, *,
         resident_layers = _layers_within(resident_bytes, layer_bytes or [], staging_slots)
     if resident_layers is None:
         return frozenset(range(num_layers))
-    if not isinstance(resident_layers, int) or resident_layers < 0:
+    if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or resident_layers < 0:
         raise InputError(f"resident_layers must be None or an int >= 0, got {resident_layers!r}")
     k = min(resident_layers, num_layers)
     first = (k + 1) // 2

@@ -15,7 +15,7 @@ import torch
 import xxhash
 from torch import nn
 
-from ...paths import build_lock, cache_home
+from ...paths import build_folder, build_lock, cache_home
 from ...model import compat
 from ...model.building import building_model
 from ...model.arch import check_supported, decoder_layers, rebuild_rotary, tie_output_embeddings
@@ -30,6 +30,8 @@ from .kernels import CpuInt4PackLayout, DequantLayout, select_layout
 from .linear import AWQLinear
 
 PACK_FORMAT = "kvboost-awq-pack-1"
+_PACKED_INTS = (torch.int32, torch.int64)      # eight 4-bit values a word (int64 as some exporters widen it)
+_FLOAT_SCALES = (torch.float16, torch.bfloat16, torch.float32)
 STREAM_TIERS = ("disk", "ram")
 
 
@@ -149,6 +151,10 @@ def _check_shapes(ckpt: Checkpoint, name: str, k: int, n: int, group: int) -> No
             got = "absent" if entry is None else list(entry.shape)
             raise UnsupportedModelError(f"{name}.{part}: {got} in the checkpoint, {list(shape)} expected from "
                                         f"its config (group_size {group}): a checkpoint of another model or settings")
+        kinds = _FLOAT_SCALES if part == "scales" else _PACKED_INTS
+        if entry.dtype not in kinds:
+            raise UnsupportedModelError(f"{name}.{part} is {str(entry.dtype).removeprefix('torch.')} in the checkpoint; "
+                                        f"AWQ GEMM stores it as {' or '.join(str(d).removeprefix('torch.') for d in kinds)}")
 
 
 def _load_dense(model: nn.Module, ckpt: Checkpoint, dtype) -> None:
@@ -205,7 +211,7 @@ def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, dige
     layouts = sorted({m.layout.name for i in bindings for m in awq_modules(layers[i])})
     key = xxhash.xxh3_64_hexdigest(":".join([PACK_FORMAT, digest, torch.__version__, ",".join(layouts),
                                              torch.backends.cpu.get_cpu_capability(), repr(sorted(bindings))]).encode())
-    target = Path(pack_dir or cache_home() / "awq-packs") / f"{key}.safetensors"
+    target = build_folder(Path(pack_dir or cache_home() / "awq-packs")) / f"{key}.safetensors"   # killed writers' files go
     sizes = {i: b.nbytes for i, b in bindings.items()}
     metadata = {"format": PACK_FORMAT, "weights_digest": digest, "layouts": ",".join(layouts)}
     if not pack_file_ok(target, sizes, metadata):
