@@ -3,6 +3,8 @@ to the int8 rounding of activations, on every layout it takes; the engine uses i
 weights="int4" and falls back cleanly where it cannot run; the library is built once."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +226,21 @@ def test_engine_uses_it_by_default_and_off_on_request(tmp_path):
     phi3 = tiny_model("phi3")                                   # partial rotary: not plain Llama layers
     with pytest.raises(InputError, match="phi3"):
         Engine(phi3, tokenizer, cache_bytes=0, native_decode=True)
+
+
+@needs_cpu
+def test_int4_rows_the_step_cannot_read_say_so(tmp_path):
+    """160 MLP rows (16 x 10, not a multiple of 64): PyTorch's pack layout for them is not one the step
+    reads; the reason said the layers were not int4 and the head not int8, which they are."""
+    model = tiny_model("llama", seed=0, hidden_size=192, num_attention_heads=6, num_key_value_heads=2,
+                       intermediate_size=160, vocab_size=1008)
+    convert_model(model, "int4", cache_dir=tmp_path)
+    adapter = ModelAdapter(model)
+    if all(m.block for m in adapter.layer_parts(0).linears):      # this CPU's layout reads them
+        assert native_decoder(adapter)[0] is not None
+        return
+    reason = unsupported_reason(adapter)
+    assert "int4 layer of 160 rows" in reason and "not int4" not in reason, reason
 
 
 @needs_cpu
@@ -518,6 +535,38 @@ def test_a_compiler_that_cannot_run_is_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "env g++")
     assert build.compiler().endswith("env g++")
     assert build.library_path(build.compiler(), "avx2").name.startswith(build.PREFIX)
+
+
+@needs_cpu
+def test_a_compile_past_its_time_stops_the_whole_compiler(tmp_path, monkeypatch):
+    """The timeout killed g++'s driver alone: its cc1plus (gigabytes, seen under a sanitizer build)
+    ran on beside the PyTorch fallback. A stand-in compiler whose work runs in a child process."""
+    pid_file = tmp_path / "child.pid"
+    fake = tmp_path / "slow-g++"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *--version*) echo "slow 1"; exit 0;; esac\n'
+                    f'sleep 120 &\necho $! > {pid_file}\nwait\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, "1")
+    lib, reason = build.load_from(build.SOURCE, "avx2")
+    assert lib is None and "timed out" in reason, reason
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:          # killed (gone, or a zombie not yet reaped)
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the compiler's child process ran on after the timeout")
+    monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, "soon")
+    lib, reason = build.load_from(build.SOURCE, "avx2")
+    assert lib is None and build.BUILD_TIMEOUT_ENV in reason, reason
 
 
 @needs_cpu

@@ -8,8 +8,9 @@ never `-march=native` (some VMs advertise extensions they cannot run). The best 
 reports runs; `KVBOOST_NATIVE_ISA=avx512|avxvnni|avx2` (or `load(isa=...)`) forces one, refused
 with a reason where the CPU lacks it (`load_from(source, isa)` builds another copy of the source
 the same way, for benchmarks comparing two versions in one process). Anything missing (not x86-64
-Linux, a CPU without AVX2, FMA and F16C, no compiler, a failed build) is reported as a reason, never
-raised: callers fall back to the PyTorch path.
+Linux, a CPU without AVX2, FMA and F16C, no compiler, a failed build, a compile past
+$KVBOOST_NATIVE_BUILD_TIMEOUT_S, stopped with its children) is reported as a reason, never raised:
+callers fall back to the PyTorch path.
 
 It is built with OpenMP: its `libgomp.so.1` is, by soname, the one PyTorch's Linux wheels ship and
 have already loaded, so a step runs on the calling thread's own OpenMP team, the threads its
@@ -53,6 +54,7 @@ ISAS = {
     "avx2": (("-mavx2", "-mfma", "-mf16c", "-DKVB_ISA_AVX2"), ("avx2", "fma", "f16c")),
 }
 ENV = "KVBOOST_NATIVE_ISA"
+BUILD_TIMEOUT_ENV, BUILD_TIMEOUT_S = "KVBOOST_NATIVE_BUILD_TIMEOUT_S", 300     # one variant's compile, at most
 log = logging.getLogger(__name__)
 _loaded: dict = {}
 _lock = threading.Lock()
@@ -224,10 +226,9 @@ def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
     handle, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(handle)
     try:
-        done = subprocess.run([*shlex.split(cxx), *FLAGS, *ISAS[isa][0], str(source), "-o", staging],
-                              capture_output=True, text=True, errors="replace", timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(" | ".join(done.stderr.strip().splitlines()[-3:])[-500:])
+        returncode, stderr = _run_compiler([*shlex.split(cxx), *FLAGS, *ISAS[isa][0], str(source), "-o", staging])
+        if returncode != 0:
+            raise RuntimeError(" | ".join(stderr.strip().splitlines()[-3:])[-500:])
         os.chmod(staging, 0o755)           # not mkstemp's 0600 (kept by the linker): others sharing the cache load it
         with open(staging, "rb") as f:     # on disk before it takes the name: a crash after the rename must not
             os.fsync(f.fileno())           # leave a short file there (a lost rename only means a rebuild)
@@ -235,6 +236,28 @@ def _compile(cxx: str, path: Path, isa: str, source: Path = SOURCE) -> None:
     finally:
         if os.path.exists(staging):
             os.remove(staging)
+
+
+def _run_compiler(cmd: list[str]) -> tuple[int, str]:
+    """(exit status, stderr) of the compiler, run in a process group of its own: past
+    $KVBOOST_NATIVE_BUILD_TIMEOUT_S (default 300 s), or on any interruption, the whole group is killed
+    (killing the driver alone left g++'s cc1plus running, gigabytes of it, beside the fallback)."""
+    try:
+        timeout = float(os.environ.get(BUILD_TIMEOUT_ENV) or BUILD_TIMEOUT_S)
+    except ValueError:
+        raise RuntimeError(f"${BUILD_TIMEOUT_ENV}={os.environ[BUILD_TIMEOUT_ENV]!r} is not a number of seconds") from None
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, 9)
+        except OSError:
+            pass
+        proc.wait()
+        raise
+    return proc.returncode, stderr
 
 
 def _declare(lib) -> None:

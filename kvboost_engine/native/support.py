@@ -8,6 +8,7 @@ import torch
 
 from ..model.arch import ModelAdapter
 from . import abi, build
+from ..weights.formats import INT4_BLOCKS, INT4_GROUP, Int4Linear, Int8Linear
 from .matrices import weights_kind
 
 TILE, BLOCK = 16, 32                        # a packed matrix's rows and columns are multiples of these
@@ -59,8 +60,9 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
         return "layers are streamed"
     kind = weights_kind(adapter)
     if kind is None:
-        return ('needs every decoder linear layer and the head in float32, or the layers in int4 and the '
-                'head in int8 (weights="int4"), or all of them packed (PackedLinear)')
+        return _int4_layout_reason(adapter) or (
+            'needs every decoder linear layer and the head in float32, or the layers in int4 and the '
+            'head in int8 (weights="int4"), or all of them packed (PackedLinear)')
     for i in range(len(adapter.layers)):
         if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in adapter.layer_parts(i).linears):
             return "a layer's shape is not a multiple of 16 rows x 32 columns"
@@ -69,4 +71,19 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
         return "the output head's shape is not a multiple of 16 rows x 32 columns"
     if len(set(adapter.layer_rope_kinds)) > 2:
         return "more than two rotary kinds"
+    return None
+
+
+def _int4_layout_reason(adapter: ModelAdapter) -> str | None:
+    """For weights="int4" whose layers the step cannot read: which layer and why (the general reason
+    said its layers were not int4, which they are)."""
+    linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
+    if not (all(type(m) is Int4Linear for m in linears) and type(adapter.lm_head) is Int8Linear):
+        return None
+    for m in linears:
+        if not m.block:
+            return (f"an int4 layer of {m.out_features} rows: PyTorch packed it in a layout the step does not "
+                    f"read (it reads rows a multiple of {INT4_BLOCKS[0]} on every CPU)")
+        if m.group != INT4_GROUP:
+            return f"an int4 layer in groups of {m.group} (the step reads groups of {INT4_GROUP})"
     return None
