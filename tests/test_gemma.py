@@ -223,6 +223,21 @@ def test_spans_shorter_than_the_window_are_not_moved_unless_the_rule_is_off(toke
     assert g.reused_moved > 0
 
 
+def test_moved_stats_count_only_what_the_window_rule_keeps(tokenizer):
+    """stats() counted every span found as moved (moved_hits / moved_tokens) before the rule dropped
+    or shortened it: Gemma 3 270M reported 298 moved tokens for a reply that moved none."""
+    for window, rule in ((256, True), (WINDOW, True), (256, False)):
+        engine = Engine(window_only_model(window), tokenizer, cache_bytes=64 * 2**20, moved_reuse="none",
+                        moved_window_rule=rule)
+        engine.generate(as_segments(range(5), "Summarise."), max_new_tokens=1)
+        before = engine.stats()
+        g = engine.generate(as_segments([3, 1, 4], ""), max_new_tokens=1)
+        moved = engine.stats()["moved_tokens"] - before["moved_tokens"]
+        assert moved == g.reused_moved, (window, rule, moved, g.reused_moved)
+        assert (engine.stats()["moved_hits"] > before["moved_hits"]) == (g.reused_moved > 0)
+        engine.close()
+
+
 def test_full_repair_on_gemma_equals_no_cache(gemma, tokenizer):
     """Every moved token recomputed: re-rotation per layer type and windowed scatter attention are right."""
     cold = Engine(gemma, tokenizer, cache_bytes=0).next_token_logits(as_segments([3, 1, 4]))

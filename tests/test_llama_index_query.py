@@ -117,3 +117,20 @@ def test_default_chat_engine_over_two_turns(llm, index):
     text = "".join(second.response_gen)
     assert text.strip()
     assert [m.role.value for m in chat.chat_history] == ["user", "assistant", "user", "assistant"]
+
+
+def test_node_aligned_query_engine_on_a_model_without_a_chat_template(smol, index):
+    """A model without a chat template (Gemma 3 270M base) answers through messages_to_prompt, as the
+    stock query engine showed; the node-aligned one counted its budget with the chat template and
+    failed: "this model's tokenizer has no chat template"."""
+    import copy
+    model, tokenizer = smol
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    llm = KVBoost(engine=Engine(model, plain, cache_bytes=64 * 2**20), max_new_tokens=4,
+                  messages_to_prompt=lambda ms: "\n".join(f"{m.role.value}: {m.content}" for m in ms) + "\nassistant:")
+    messages = llm._extend_messages([])
+    assert llm.count_prompt_tokens(messages) == llm.engine.count_tokens(llm.messages_to_prompt(messages))
+    response = as_query_engine(index, llm, similarity_top_k=TOP_K).query(QUESTIONS[0])
+    assert len(response.metadata["kvboost"]["calls"]) >= 1 and str(response)
+    llm.engine.close()

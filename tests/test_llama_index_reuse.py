@@ -105,3 +105,19 @@ def test_cache_order_and_warmed_nodes_are_reused_exactly(smol, engine):
     assert all(t["reused_moved"] == 0 for t in telemetry)
     assert all(t["documents_from_cache"] >= 1 for t in telemetry)       # a warmed node goes first, every time
     assert telemetry[0]["document_tokens_reused"] > 0                    # even for the very first question
+
+
+def test_warmed_nodes_with_metadata_are_reused(smol, engine):
+    """Loaders add metadata (file_name, file_path, ...) that synthesis sends before a node's text; warm()
+    cached the text alone, so no warmed node was ever found (documents_from_cache 0, reuse 0)."""
+    from kvboost_integrations.llama_index import KVBoostSynthesizer, WarmNodes
+    llm = KVBoost(engine=engine, max_new_tokens=2)
+    synthesizer = KVBoostSynthesizer(llm, "compact", node_order="cache")
+    splitter = SentenceSplitter(chunk_size=512, chunk_overlap=0, tokenizer=ModelTokenizer(smol[1]))
+    documents = [Document(text=text, id_=name, metadata={"file_name": f"{name}.txt", "author": "Ana"})
+                 for name, text in list(CORPUS.items())[:3]]
+    warmed = VectorStoreIndex.from_documents(documents, embed_model=HashEmbedding(),
+                                             transformations=[splitter, WarmNodes(synthesizer=synthesizer)])
+    query_engine = warmed.as_query_engine(llm=llm, response_synthesizer=synthesizer, similarity_top_k=1)
+    telemetry = query_engine.query(QUESTIONS[0]).metadata["kvboost"]
+    assert telemetry["documents_from_cache"] == 1 and telemetry["document_reuse"] == 1.0, telemetry

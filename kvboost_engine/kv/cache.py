@@ -3,8 +3,7 @@
 - Exact lookup walks the tree by token ids from the root: token-exact prefix reuse, even
   inside a chunk (a partly matched node is split when the new prompt is stored). The result
   is a block table a paged sequence maps without copying.
-- Moved lookup finds chunks of content by content key anywhere in the tree (content_index.py)
-  and grows each hit over its seams.
+- Moved lookup finds content chunks by key anywhere in the tree (content_index.py), grown over their seams.
 - What stays is decided by the budget (budget.py); with a disk tier, new chunks are written
   through to disk and found there again after eviction or a restart (restore.py).
 
@@ -134,15 +133,16 @@ class ChunkCache:
         match.table[:], match.spans[:] = [], []
 
     def match_moved(self, tokens: list[int], chunk_ends: list[int], chunk_kinds: list[str],
-                    start: int, limit: int) -> list[KVSpan]:
-        """Cached KV for content chunks of tokens[start:limit] found elsewhere in the tree;
-        each span's `table` holds references for the caller."""
+                    start: int, limit: int, trim=None) -> list[KVSpan]:
+        """Cached KV for content chunks of tokens[start:limit] found elsewhere in the tree, as `trim`
+        (the window rule) leaves them, counted as moved hits; each span's `table` holds references for the caller."""
         with self._lock:
             spans = self.index.spans(tokens, chunk_ends, chunk_kinds, start, limit)
             for span in spans:
                 for node, _, _ in span.pieces:
                     self.tree.touch(node)
                 span.table = self.tree.table_of([span], span.source_start, span.source_start + span.length)
+            spans = trim(spans) if trim is not None else spans      # what is dropped there is not counted
             self.counters.moved_hits += len(spans)
             self.counters.moved_tokens += sum(s.length for s in spans)
         return spans

@@ -206,11 +206,10 @@ def _trim_to_block(match: Match, cache: ChunkCache) -> None:
 def _moved_spans(parts: PrefillParts, prompt: TokenizedPrompt, prefix_len: int, max_position: int) -> list[KVSpan]:
     if parts.config.moved_reuse == "full" or not parts.mover.can_move(max_position):
         return []
-    n = len(prompt)
-    spans = parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len, n - 1)
-    if not parts.config.moved_window_rule:
-        return spans
-    return window_rule(spans, parts.adapter.layer_windows, parts.cache)
+    trim = (lambda spans: window_rule(spans, parts.adapter.layer_windows, parts.cache)) \
+        if parts.config.moved_window_rule else None
+    return parts.cache.match_moved(prompt.token_ids, prompt.chunk_ends, prompt.chunk_kinds, prefix_len,
+                                   len(prompt) - 1, trim=trim)
 
 
 def window_rule(spans: list[KVSpan], layer_windows: tuple, cache: ChunkCache) -> list[KVSpan]:

@@ -175,8 +175,9 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         return ModelTokenizer(self.engine.tokenizer)
 
     def count_prompt_tokens(self, messages: Sequence[ChatMessage]) -> int:
-        """Prompt tokens these messages take, chat template included."""
-        return self.engine.count_tokens(to_engine_messages(messages))
+        """Prompt tokens these messages take as chat() sends them: its custom messages_to_prompt, else the template."""
+        custom = self._custom_messages_to_prompt
+        return self.engine.count_tokens(self.messages_to_prompt(messages) if custom else to_engine_messages(messages))
 
     # ---- requests ----------------------------------------------------------------------
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict, custom: bool = True) -> EngineCall:

@@ -24,7 +24,7 @@ from llama_index.core.prompts.default_prompt_selectors import (
     DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
 )
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
-from llama_index.core.schema import NodeWithScore
+from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from .llm import KVBoost
 from .messages import to_engine_messages
@@ -192,12 +192,15 @@ class KVBoostSynthesizer(BaseSynthesizer):
     def warm(self, nodes, query_str: str = "") -> int:
         """Cache each node where this synthesizer's question-answering prompt puts a first node (the
         layout up to the node is the same whatever the question), so later calls whose first node it
-        is reuse it exactly (with node_order="cache", any warmed node can go first). Returns tokens cached."""
+        is reuse it exactly (with node_order="cache", any warmed node can go first). A node is cached as
+        synthesis sends it: with its metadata header (MetadataMode.LLM). Returns tokens cached."""
         if not isinstance(self._llm, KVBoost):
             raise TypeError("warm() needs the KVBoost LLM")
         total = 0
         for node in nodes:
-            text = node.node.get_content() if isinstance(node, NodeWithScore) else getattr(node, "get_content", lambda: node)()
+            node = node.node if isinstance(node, NodeWithScore) else node
+            # as synthesis sends it: the metadata header (file_name, ... from any loader) and the text
+            text = node.get_content(metadata_mode=MetadataMode.LLM) if hasattr(node, "get_content") else node
             step = _Step(self._text_qa_template, "context_str", [text], {"query_str": query_str})
             total += self._llm.engine.warm(to_engine_messages(self._messages(step)))
         return total
