@@ -20,6 +20,7 @@ from kvboost_engine.weights.awq.linear import AWQLinear
 from kvboost_engine.weights.awq.loader import awq_modules, load_awq_model
 from kvboost_engine.weights.residency import LayerBinding
 from kvboost_engine.weights.streamer import LayerStreamer
+from kvboost_engine.weights.checkpoint import read_header
 from kvboost_engine.weights.tiers import HostRamTier, write_pack_file
 from kvboost_tools.awq import quantize
 from kvboost_tools.awq.grid import fake_quantize, quantize_groups
@@ -84,6 +85,30 @@ def test_a_pack_file_whose_bytes_changed_is_written_again(llama_awq, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, want)
     model.kvboost_streamer.close()
+
+
+def test_one_pack_serves_every_residency(llama_awq, tmp_path):
+    """A pack per residency set left one model-sized file per setting tried (three settings of the
+    default model: 173 MB of packs for 56 MB of streamed layers); an older version's such packs go."""
+    import shutil
+    packs = tmp_path / "packs"
+    outputs, paths = [], set()
+    for resident in (0, 2, 1, 0):
+        model = _load(llama_awq, resident_layers=resident, pack_dir=packs)
+        with torch.no_grad():
+            outputs.append(model(IDS).logits)
+        paths.add(model.kvboost_awq.pack_file)
+        model.kvboost_streamer.close()
+        if resident == 2:       # an older version's pack of this checkpoint (no torch / cpu in its metadata)
+            header, _ = read_header(model.kvboost_awq.pack_file)
+            old = {k: v for k, v in header["__metadata__"].items() if k not in ("torch", "cpu")}
+            write_pack_file(packs / "0123456789abcdef.safetensors", {0: 64}, iter([(0, torch.zeros(64, dtype=torch.uint8))]), old)
+            shutil.copy(packs / "0123456789abcdef.safetensors", packs / "fedcba9876543210.safetensors")
+            write_pack_file(packs / "1111111111111111.safetensors", {0: 64}, iter([(0, torch.zeros(64, dtype=torch.uint8))]),
+                            {**old, "weights_digest": "another checkpoint"})
+    assert len(paths) == 1 and all(torch.equal(o, outputs[0]) for o in outputs)
+    assert sorted(p.name for p in packs.glob("*.safetensors")) == sorted([os.path.basename(paths.pop()),
+                                                                          "1111111111111111.safetensors"])
 
 
 def test_a_killed_pack_writers_file_is_pruned(llama_awq, tmp_path):

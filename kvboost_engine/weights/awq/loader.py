@@ -24,7 +24,7 @@ from ..residency import LayerBinding, resident_layers_set
 from ..memory import release_free_memory
 from ..streamer import LayerStreamer
 from ..tiers import HostRamTier, PackFileTier, pack_file_ok, write_pack_file
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, read_header
 from .format import AWQConfig, awq_config_of
 from .kernels import CpuInt4PackLayout, DequantLayout, select_layout
 from .linear import AWQLinear
@@ -90,7 +90,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
     if streamed:
         packed = {i: bindings[i] for i in streamed}
         if stream_from == "disk":
-            pack_path = _pack_file(packed, layers, ckpt, digest, pack_dir)
+            pack_path = _pack_file({i: b for i, b in bindings.items() if b.nbytes}, layers, ckpt, digest, pack_dir)
             tier = PackFileTier(pack_path)
         else:
             tier = HostRamTier({i: _layer_blob(b, layers[i], ckpt, pin=device.type == "cuda") for i, b in packed.items()})
@@ -206,20 +206,41 @@ def _layer_blob(binding: LayerBinding, layer: nn.Module, ckpt: Checkpoint, pin: 
 
 
 def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, digest: str, pack_dir) -> Path:
-    """The streamed layers' blobs in a file under the cache dir, written once per checkpoint and layout."""
-
+    """Every layer's blob in a file under the cache dir, written once per checkpoint, layout, PyTorch and
+    CPU capability: loads with any residency stream their layers from it (a pack per residency set
+    left one model-sized file per setting tried). Packs of the same checkpoint and setup written per
+    residency set by earlier versions are removed."""
     layouts = sorted({m.layout.name for i in bindings for m in awq_modules(layers[i])})
+    cpu = torch.backends.cpu.get_cpu_capability()
     key = xxhash.xxh3_64_hexdigest(":".join([PACK_FORMAT, digest, torch.__version__, ",".join(layouts),
-                                             torch.backends.cpu.get_cpu_capability(), repr(sorted(bindings))]).encode())
+                                             cpu, repr(sorted(bindings))]).encode())
     target = build_folder(Path(pack_dir or cache_home() / "awq-packs")) / f"{key}.safetensors"   # killed writers' files go
     sizes = {i: b.nbytes for i, b in bindings.items()}
-    metadata = {"format": PACK_FORMAT, "weights_digest": digest, "layouts": ",".join(layouts)}
+    metadata = {"format": PACK_FORMAT, "weights_digest": digest, "layouts": ",".join(layouts),
+                "torch": torch.__version__, "cpu": cpu}
     if not pack_file_ok(target, sizes, metadata):
         with build_lock(target):
             if not pack_file_ok(target, sizes, metadata):     # absent, or cut short / damaged: written again
                 blobs = ((i, _layer_blob(bindings[i], layers[i], ckpt)) for i in sorted(bindings))
                 write_pack_file(target, sizes, blobs, metadata)
+    _drop_other_packs(target, metadata)
     return target
+
+
+def _drop_other_packs(target: Path, metadata: dict) -> None:
+    """Remove the other pack files of the same checkpoint and setup (an earlier version's, one per
+    residency set; those without the torch / cpu fields count as this setup's). A process still
+    streaming from one keeps reading it until it closes."""
+    for other in target.parent.glob("*.safetensors"):
+        try:
+            if other == target:
+                continue
+            found = read_header(other)[0].get("__metadata__") or {}
+            if all(found.get(k) == metadata[k] for k in ("format", "weights_digest", "layouts")) \
+                    and all(found.get(k, metadata[k]) == metadata[k] for k in ("torch", "cpu")):
+                other.unlink()
+        except (OSError, ValueError, TypeError, AttributeError):     # gone already, not a pack
+            continue
 
 
 def _info(model, awq: AWQConfig, bindings, streamed, digest, pack_path) -> AWQInfo:
