@@ -230,6 +230,58 @@ def _refused_after_drain(server, timeout_s=10.0) -> bool:
     return False
 
 
+def test_requests_past_the_drain_timeout_are_answered_503_and_a_cut_body_is_499(smol):
+    """Past --drain-timeout-s uvicorn cancelled the handlers mid-await: a plain-text 500 ("Internal
+    Server Error"), a stream cut with no `error` event, "Exception in ASGI application" logged. A
+    client that left while sending its body was counted as a server error (500)."""
+    import logging
+    import socket
+    engine = Engine(*smol, cache_bytes=64 * 2**20, max_running=1)
+    server = Server(create_app(engine, model_name=MODEL, api_key=KEY), drain_timeout_s=2).start()
+    host, port = server.url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port))) as sock:       # 1000 bytes announced, 14 sent, then gone
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": \"smo")
+    metrics = server.url.removesuffix("/v1") + "/metrics"
+    deadline = time.monotonic() + 10
+    while 'status="499"' not in httpx.get(metrics).text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 'status="499"' in (text := httpx.get(metrics).text) and 'status="500"' not in text
+    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, "min_tokens": 3000, "temperature": 0}
+    results, logged = {}, []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("uvicorn.error").addHandler(handler)
+
+    def stream():
+        with httpx.stream("POST", server.url + "/chat/completions", json={**long, "stream": True}, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            results["stream"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+    readers = [threading.Thread(target=stream),
+               threading.Thread(target=lambda: results.setdefault("whole", _post(server, "/chat/completions", long)))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 60
+    while not engine.cache.pool.usage()["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    started = time.monotonic()
+    try:
+        server.stop(30)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert time.monotonic() - started < 10
+    for reader in readers:
+        reader.join(30)
+    whole = results["whole"]
+    assert whole.status_code == 503 and whole.json()["error"]["type"] == "server_error"
+    events = results["stream"]
+    assert "data: [DONE]" not in events and '"server_error"' in events[-1] and "drain timeout" in events[-1]
+    assert not [m for m in logged if "Exception in ASGI application" in m or "Cancel" in m], logged
+    assert _wait_free(engine) == 0
+    engine.close()
+
+
 def test_draining_app_answers_503(served):
     _, server = served
     state = server.app.state.kvboost

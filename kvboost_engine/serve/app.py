@@ -22,7 +22,7 @@ from functools import partial
 try:
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as err:  # pragma: no cover - depends on the environment
@@ -32,7 +32,7 @@ from ..engine import Engine
 from ..errors import BudgetError, ContextWindowError, InputError, KVBoostError, QueueFullError
 from .metrics import Metrics, kv_bytes
 from .protocol import BadRequest, Call, engine_parameters, parse_chat, parse_completion
-from .pump import Pump
+from .pump import CUT_MESSAGE, Pump
 from .replies import Reply, error_body, sse
 from .tokenize import tokenize
 from .tools import ToolReply, prepare_tools
@@ -52,6 +52,7 @@ class ServerState:
     retry_after_s: int = RETRY_AFTER_S
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
+    inflight: set = field(default_factory=set)      # the requests' pumps (pump.cut_off stops them all)
     accepted: frozenset = field(default_factory=engine_parameters)
 
 
@@ -134,11 +135,17 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
     try:
         body = await _read_json(request, state.max_body_bytes)
         call, fmt, stream = await run_in_threadpool(_start, state, body, kind)      # parsing is work too
+    except ClientDisconnect:            # left while sending its body: not the server's error
+        return Response(status_code=499)
     except Exception as err:  # noqa: BLE001 - mapped to a status; unknown ones are a 500
         return error_response(err, state)
     state.metrics.started()
-    pump = Pump(stream, time.perf_counter(), on_end=state.metrics.finished)     # counted however it ends
-    event = await pump.next(request.is_disconnected)
+    pump = Pump(stream, time.perf_counter(), state.metrics.finished, state.inflight)     # counted however it ends
+    try:
+        event = await pump.next(request.is_disconnected)
+    except BaseException:               # cancelled by uvicorn: the request stops too
+        pump.cancel()
+        raise
     state.metrics.first_event()
     if event[0] in ("error", "gone"):
         return error_response(event[1], state) if event[0] == "error" else Response(status_code=499)
@@ -201,6 +208,8 @@ async def _collect(pump: Pump, event: tuple, reply: Reply, request: Request, sta
         return error_response(event[1], state)
     if event[0] == "gone":
         return Response(status_code=499)
+    if pump.cut_short:
+        return _error(503, CUT_MESSAGE, kind="server_error", headers={"Connection": "close"})
     return JSONResponse(reply.complete(pump.generation))
 
 
@@ -215,8 +224,9 @@ async def _events(pump: Pump, event: tuple, reply: Reply, call: Call):
             for chunk in reply.delta_chunks(event[1]) if event[1] or getattr(event[1], "logprobs", None) else ():
                 yield sse(chunk)
             event = await pump.next()
-        if event[0] == "error":
-            yield sse(error_body(str(event[1]) or type(event[1]).__name__, kind="server_error"))
+        if event[0] == "error" or pump.cut_short:
+            yield sse(error_body(CUT_MESSAGE if pump.cut_short else str(event[1]) or type(event[1]).__name__,
+                                 kind="server_error"))
             return
         for chunk in reply.end_chunks(pump.generation):
             yield sse(chunk)

@@ -6,6 +6,7 @@ bounds them) and passes ("delta", text), ("end", Generation) or ("error", except
 queue. `cancel()` stops the request in the engine (from the loop, at once); the thread then reads
 the stream to its end, so the request's KV is stored and its blocks are freed, and hands the end
 (its Generation, None after an error) to `on_end`, however the response ended (metrics count it).
+A pump is in its `inflight` set until then; `cut_off(inflight)` stops them all when a drain runs out.
 """
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ POLL_S = 0.25           # how often a wait for the next event checks whether the
 class Pump:
     """Events of one engine stream, awaited from the event loop."""
 
-    def __init__(self, stream: GenerationStream, started: float, on_end=None):
+    def __init__(self, stream: GenerationStream, started: float, on_end=None, inflight: set | None = None):
         self.stream = stream
         self.started = started
         self.first_at: float | None = None
         self.generation: Generation | None = None
+        self.cut = False                                # cut_off() stopped it (the drain's deadline)
         self._on_end = on_end
+        self._inflight = inflight if inflight is not None else set()
+        self._inflight.add(self)
         self._checked = time.perf_counter()         # when `gone` was last asked
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -46,6 +50,7 @@ class Pump:
             if self._on_end is not None:
                 self._on_end(ended)             # before the reply can go out: /metrics agrees with it
         finally:
+            self._inflight.discard(self)
             self._put(last)
 
     def _put(self, event: tuple) -> None:
@@ -77,6 +82,23 @@ class Pump:
         """Stop the request (the thread finishes reading; KV stored, blocks freed)."""
         self.stream.cancel()
 
+    @property
+    def cut_short(self) -> bool:
+        """Whether the request ended because cut_off() stopped it (not because it finished first)."""
+        return self.cut and self.generation is not None and self.generation.finish_reason == "cancelled"
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for the reading thread (tests and shutdown)."""
         self._thread.join(timeout)
+
+
+CUT_MESSAGE = "the server shut down before this reply finished (its drain timeout passed); retry on another server"
+
+
+def cut_off(inflight: set) -> None:
+    """Stop every request in flight (the server's drain timeout is about to pass): each one's handler
+    then ends its reply itself (503, or an `error` event in a stream begun), rather than being
+    cancelled by uvicorn mid-await (a plain-text 500 and a traceback in the log)."""
+    for pump in list(inflight):
+        pump.cut = True
+        pump.cancel()

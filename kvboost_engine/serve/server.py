@@ -4,17 +4,22 @@
 Shutdown drains: on SIGTERM/SIGINT (or `stop()`), the app's draining flag is set first, so a request
 that reaches the app from then on gets 503; uvicorn stops listening (new connections are refused),
 closes idle keep-alive connections at once, and waits up to `drain_timeout_s` for the requests in
-flight to finish before it closes their connections (their requests are cancelled in the engine).
+flight to finish; those still running a second before it (CUT_MARGIN_S) are stopped in the engine
+and answered 503 (an `error` event where a stream has begun), then their connections close.
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 
 import uvicorn
 
+from .pump import cut_off
+
 DRAIN_TIMEOUT_S = 30
+CUT_MARGIN_S = 1.0      # before the drain timeout, the requests left are stopped and answered (at most half of it)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -28,6 +33,20 @@ class _Uvicorn(uvicorn.Server):
         self._state.draining = True
         super().handle_exit(sig, frame)
         self._captured_signals.clear()      # drained: exit normally (the caller closes the engine), not by the signal
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's drain, with the requests still in flight stopped CUT_MARGIN_S before its timeout,
+        so each handler ends its own reply (503, or an `error` event in a stream begun) instead of
+        uvicorn cancelling it mid-await (a plain-text 500, "Exception in ASGI application" logged)."""
+        self._state.draining = True
+        timeout = self.config.timeout_graceful_shutdown
+        cut = None if timeout is None else asyncio.get_running_loop().call_later(
+            max(0.0, timeout - min(CUT_MARGIN_S, timeout / 2)), cut_off, self._state.inflight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if cut is not None:
+                cut.cancel()
 
 
 class Server:
