@@ -111,6 +111,26 @@ def test_one_pack_serves_every_residency(llama_awq, tmp_path):
                                                                           "1111111111111111.safetensors"])
 
 
+def test_a_load_checks_the_layers_it_streams_only(llama_awq, tmp_path):
+    """One pack holds every layer: a load streaming one layer must not read the whole model to check it."""
+    packs = tmp_path / "packs"
+    model = _load(llama_awq, resident_layers=0, pack_dir=packs)
+    pack = model.kvboost_awq.pack_file
+    model.kvboost_streamer.close()
+    header, base = read_header(pack)
+    start, _ = header["layers.0"]["data_offsets"]
+    with open(pack, "r+b") as f:                 # layer 0 damaged: resident in the next load (read from the checkpoint)
+        f.seek(base + start)
+        f.write(b"\xff" * 64)
+    written = os.stat(pack).st_mtime_ns
+    model = _load(llama_awq, resident_layers=3, pack_dir=packs)          # layers 0, 1, 3 resident: streams layer 2 alone
+    model.kvboost_streamer.close()
+    assert os.stat(pack).st_mtime_ns == written
+    model = _load(llama_awq, resident_layers=0, pack_dir=packs)          # streams layer 0: written again
+    model.kvboost_streamer.close()
+    assert os.stat(pack).st_mtime_ns != written
+
+
 def test_a_killed_pack_writers_file_is_pruned(llama_awq, tmp_path):
     """A kill -9 mid-write left its temporary file (the pack's size) for good: no prefix the
     staging pruner knows."""

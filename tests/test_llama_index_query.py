@@ -133,4 +133,5 @@ def test_node_aligned_query_engine_on_a_model_without_a_chat_template(smol, inde
     assert llm.count_prompt_tokens(messages) == llm.engine.count_tokens(llm.messages_to_prompt(messages))
     response = as_query_engine(index, llm, similarity_top_k=TOP_K).query(QUESTIONS[0])
     assert len(response.metadata["kvboost"]["calls"]) >= 1 and str(response)
+    assert KVBoostSynthesizer(llm, "compact").warm(["The mine closed in 1962."]) > 0     # as chat() sends it
     llm.engine.close()

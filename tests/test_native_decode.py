@@ -564,9 +564,10 @@ def test_a_compile_past_its_time_stops_the_whole_compiler(tmp_path, monkeypatch)
     else:
         os.kill(child, 9)
         raise AssertionError("the compiler's child process ran on after the timeout")
-    monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, "soon")
-    lib, reason = build.load_from(build.SOURCE, "avx2")
-    assert lib is None and build.BUILD_TIMEOUT_ENV in reason, reason
+    for value in ("soon", "nan", "inf", "-1", "0"):          # nan / inf raised out of communicate()
+        monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, value)
+        lib, reason = build.load_from(build.SOURCE, "avx2")
+        assert lib is None and build.BUILD_TIMEOUT_ENV in reason, (value, reason)
 
 
 @needs_cpu

@@ -256,7 +256,7 @@ def test_requests_past_the_drain_timeout_are_answered_503_and_a_cut_body_is_499(
     def stream():
         with httpx.stream("POST", server.url + "/chat/completions", json={**long, "stream": True}, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as response:
-            results["stream"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+            results["stream"] = (response.status_code, [line for line in response.iter_lines() if line.strip()])
     readers = [threading.Thread(target=stream),
                threading.Thread(target=lambda: results.setdefault("whole", _post(server, "/chat/completions", long)))]
     for reader in readers:
@@ -275,11 +275,29 @@ def test_requests_past_the_drain_timeout_are_answered_503_and_a_cut_body_is_499(
         reader.join(30)
     whole = results["whole"]
     assert whole.status_code == 503 and whole.json()["error"]["type"] == "server_error"
-    events = results["stream"]
-    assert "data: [DONE]" not in events and '"server_error"' in events[-1] and "drain timeout" in events[-1]
+    assert "drain timeout" in whole.json()["error"]["message"]          # not the refusal of a late request
+    status, lines = results["stream"]           # begun: an error event; still queued (max_running=1): a 503
+    assert status in (200, 503) and "data: [DONE]" not in lines, (status, lines)
+    assert '"server_error"' in lines[-1] and "drain timeout" in lines[-1], lines
     assert not [m for m in logged if "Exception in ASGI application" in m or "Cancel" in m], logged
     assert _wait_free(engine) == 0
     engine.close()
+
+
+def test_a_pump_that_cannot_start_leaves_no_trace():
+    """It was in the in-flight set before its thread started: one that failed to start stayed there,
+    its request never stopped."""
+    from kvboost_engine.serve.pump import Inflight, Pump
+
+    class Stream:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+    inflight, stream = Inflight(), Stream()
+    with pytest.raises(RuntimeError):           # no running event loop
+        Pump(stream, 0.0, inflight=inflight)
+    assert not inflight and stream.cancelled
 
 
 def test_draining_app_answers_503(served):

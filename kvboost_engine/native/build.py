@@ -245,7 +245,9 @@ def _run_compiler(cmd: list[str]) -> tuple[int, str]:
     try:
         timeout = float(os.environ.get(BUILD_TIMEOUT_ENV) or BUILD_TIMEOUT_S)
     except ValueError:
-        raise RuntimeError(f"${BUILD_TIMEOUT_ENV}={os.environ[BUILD_TIMEOUT_ENV]!r} is not a number of seconds") from None
+        timeout = -1.0
+    if not 0 < timeout < 1e9:                   # nan, inf, negative: communicate() raises on some of them
+        raise RuntimeError(f"${BUILD_TIMEOUT_ENV}={os.environ[BUILD_TIMEOUT_ENV]!r} is not a number of seconds > 0")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
                             start_new_session=True)
     try:

@@ -48,12 +48,16 @@ def weights_kind(adapter: ModelAdapter) -> str | None:
     linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
     if all(type(m) is PackedLinear for m in [*linears, adapter.lm_head]):
         return "packed"
-    if all(type(m) is Int4Linear and m.block and m.group == INT4_GROUP for m in linears) \
-            and type(adapter.lm_head) is Int8Linear:
+    if all(int4_readable(m) for m in linears) and type(adapter.lm_head) is Int8Linear:
         return "int4"
     if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in [*linears, adapter.lm_head]):
         return "float"
     return None
+
+
+def int4_readable(module) -> bool:
+    """Whether the step reads this layer as weights="int4" (PyTorch's pack layout it knows, its groups)."""
+    return type(module) is Int4Linear and bool(module.block) and module.group == INT4_GROUP
 
 
 ABSENT = {"dims": (0, 0, 0)}                 # stacked into the matrix before it

@@ -9,7 +9,7 @@ import torch
 from ..model.arch import ModelAdapter
 from . import abi, build
 from ..weights.formats import INT4_BLOCKS, INT4_GROUP, Int4Linear, Int8Linear
-from .matrices import weights_kind
+from .matrices import int4_readable, weights_kind
 
 TILE, BLOCK = 16, 32                        # a packed matrix's rows and columns are multiples of these
 
@@ -80,10 +80,9 @@ def _int4_layout_reason(adapter: ModelAdapter) -> str | None:
     linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
     if not (all(type(m) is Int4Linear for m in linears) and type(adapter.lm_head) is Int8Linear):
         return None
-    for m in linears:
+    for m in (m for m in linears if not int4_readable(m)):        # matrices' rule; here, why not
         if not m.block:
             return (f"an int4 layer of {m.out_features} rows: PyTorch packed it in a layout the step does not "
                     f"read (it reads rows a multiple of {INT4_BLOCKS[0]} on every CPU)")
-        if m.group != INT4_GROUP:
-            return f"an int4 layer in groups of {m.group} (the step reads groups of {INT4_GROUP})"
+        return f"an int4 layer in groups of {m.group} (the step reads groups of {INT4_GROUP})"
     return None

@@ -32,7 +32,7 @@ from ..engine import Engine
 from ..errors import BudgetError, ContextWindowError, InputError, KVBoostError, QueueFullError
 from .metrics import Metrics, kv_bytes
 from .protocol import BadRequest, Call, engine_parameters, parse_chat, parse_completion
-from .pump import CUT_MESSAGE, Pump
+from .pump import CUT_MESSAGE, Inflight, Pump
 from .replies import Reply, error_body, sse
 from .tokenize import tokenize
 from .tools import ToolReply, prepare_tools
@@ -52,7 +52,7 @@ class ServerState:
     retry_after_s: int = RETRY_AFTER_S
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
-    inflight: set = field(default_factory=set)      # the requests' pumps (pump.cut_off stops them all)
+    inflight: Inflight = field(default_factory=Inflight)    # the requests' pumps (pump.cut_off stops them all)
     accepted: frozenset = field(default_factory=engine_parameters)
 
 
@@ -135,8 +135,6 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
     try:
         body = await _read_json(request, state.max_body_bytes)
         call, fmt, stream = await run_in_threadpool(_start, state, body, kind)      # parsing is work too
-    except ClientDisconnect:            # left while sending its body: not the server's error
-        return Response(status_code=499)
     except Exception as err:  # noqa: BLE001 - mapped to a status; unknown ones are a 500
         return error_response(err, state)
     state.metrics.started()
@@ -147,8 +145,8 @@ async def _answer(request: Request, state: ServerState, kind: str) -> Response:
         pump.cancel()
         raise
     state.metrics.first_event()
-    if event[0] in ("error", "gone"):
-        return error_response(event[1], state) if event[0] == "error" else Response(status_code=499)
+    if event[0] in ("error", "gone") or pump.cut_short:       # no reply: an error, a client gone, the drain's cut
+        return _ended(event, pump, state)
     tools = ToolReply(fmt, call.one_call) if fmt is not None else None
     reply = Reply(kind, state.model_name, tools, usage_null=call.include_usage)
     if call.stream:                     # however the response ends: a client that left stops its request
@@ -204,13 +202,16 @@ async def _collect(pump: Pump, event: tuple, reply: Reply, request: Request, sta
     except BaseException:               # the server's drain timed out (CancelledError): the request stops too
         pump.cancel()
         raise
+    return _ended(event, pump, state) or JSONResponse(reply.complete(pump.generation))
+
+
+def _ended(event: tuple, pump: Pump, state: ServerState) -> Response | None:
+    """The response of a request that ended without its reply (None: it has one)."""
     if event[0] == "error":
         return error_response(event[1], state)
     if event[0] == "gone":
         return Response(status_code=499)
-    if pump.cut_short:
-        return _error(503, CUT_MESSAGE, kind="server_error", headers={"Connection": "close"})
-    return JSONResponse(reply.complete(pump.generation))
+    return _error(503, CUT_MESSAGE, kind="server_error", headers={"Connection": "close"}) if pump.cut_short else None
 
 
 async def _events(pump: Pump, event: tuple, reply: Reply, call: Call):
@@ -287,7 +288,9 @@ async def _read_json(request: Request, limit: int):
 
 
 def error_response(err: BaseException, state: ServerState) -> Response:
-    """An exception as OpenAI's error body with its HTTP status."""
+    """An exception as OpenAI's error body with its HTTP status (499: the client left mid-body)."""
+    if isinstance(err, ClientDisconnect):
+        return Response(status_code=499)
     if isinstance(err, BadRequest):
         return _error(err.status, str(err), param=err.param)
     if isinstance(err, QueueFullError):

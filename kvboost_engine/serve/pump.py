@@ -22,20 +22,28 @@ POLL_S = 0.25           # how often a wait for the next event checks whether the
 class Pump:
     """Events of one engine stream, awaited from the event loop."""
 
-    def __init__(self, stream: GenerationStream, started: float, on_end=None, inflight: set | None = None):
+    def __init__(self, stream: GenerationStream, started: float, on_end=None, inflight: Inflight | None = None):
         self.stream = stream
         self.started = started
         self.first_at: float | None = None
         self.generation: Generation | None = None
         self.cut = False                                # cut_off() stopped it (the drain's deadline)
         self._on_end = on_end
-        self._inflight = inflight if inflight is not None else set()
+        self._inflight = inflight if inflight is not None else Inflight()
         self._inflight.add(self)
+        if self._inflight.cut:                          # made after the cut (its body was still arriving)
+            self.cut = True
+            stream.cancel()
         self._checked = time.perf_counter()         # when `gone` was last asked
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvboost-serve-stream", daemon=True)
-        self._thread.start()
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._queue: asyncio.Queue = asyncio.Queue()
+            self._thread = threading.Thread(target=self._run, name="kvboost-serve-stream", daemon=True)
+            self._thread.start()
+        except BaseException:                       # no thread will end it: out of the set, the request stopped
+            self._inflight.discard(self)
+            stream.cancel()
+            raise
 
     def _run(self) -> None:
         ended = None
@@ -95,10 +103,17 @@ class Pump:
 CUT_MESSAGE = "the server shut down before this reply finished (its drain timeout passed); retry on another server"
 
 
-def cut_off(inflight: set) -> None:
-    """Stop every request in flight (the server's drain timeout is about to pass): each one's handler
-    then ends its reply itself (503, or an `error` event in a stream begun), rather than being
-    cancelled by uvicorn mid-await (a plain-text 500 and a traceback in the log)."""
+class Inflight(set):
+    """The pumps of the requests in flight; `cut` once cut_off ran (a pump made later is stopped at once)."""
+
+    cut = False
+
+
+def cut_off(inflight: Inflight) -> None:
+    """Stop every request in flight (the server's drain timeout passed): each one's handler then ends its
+    reply itself (503, or an `error` event in a stream begun), rather than being cancelled by uvicorn
+    mid-await (a plain-text 500 and a traceback in the log)."""
+    inflight.cut = True
     for pump in list(inflight):
         pump.cut = True
         pump.cancel()

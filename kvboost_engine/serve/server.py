@@ -4,8 +4,8 @@
 Shutdown drains: on SIGTERM/SIGINT (or `stop()`), the app's draining flag is set first, so a request
 that reaches the app from then on gets 503; uvicorn stops listening (new connections are refused),
 closes idle keep-alive connections at once, and waits up to `drain_timeout_s` for the requests in
-flight to finish; those still running a second before it (CUT_MARGIN_S) are stopped in the engine
-and answered 503 (an `error` event where a stream has begun), then their connections close.
+flight to finish; those still running then are stopped in the engine and answered 503 (an `error`
+event where a stream has begun), then their connections close.
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import uvicorn
 from .pump import cut_off
 
 DRAIN_TIMEOUT_S = 30
-CUT_MARGIN_S = 1.0      # before the drain timeout, the requests left are stopped and answered (at most half of it)
+CUT_GRACE_S = 10        # after the drain timeout's cut, how long the requests left have to answer before uvicorn cancels them
 
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, raising the app's draining flag on the exit signal."""
 
-    def __init__(self, config: uvicorn.Config, state):
+    def __init__(self, config: uvicorn.Config, state, drain_s: float):
         super().__init__(config)
-        self._state = state
+        self._state, self._drain_s = state, drain_s
 
     def handle_exit(self, sig, frame) -> None:
         self._state.draining = True
@@ -35,18 +35,16 @@ class _Uvicorn(uvicorn.Server):
         self._captured_signals.clear()      # drained: exit normally (the caller closes the engine), not by the signal
 
     async def shutdown(self, sockets=None) -> None:
-        """uvicorn's drain, with the requests still in flight stopped CUT_MARGIN_S before its timeout,
-        so each handler ends its own reply (503, or an `error` event in a stream begun) instead of
-        uvicorn cancelling it mid-await (a plain-text 500, "Exception in ASGI application" logged)."""
+        """uvicorn's drain; at the drain timeout the requests still in flight are stopped, and each handler
+        ends its own reply (503, or an `error` event in a stream begun) within the step the engine is in,
+        instead of uvicorn cancelling it mid-await (a plain-text 500, "Exception in ASGI application"
+        logged): uvicorn's own timeout is CUT_GRACE_S later, for what still has not ended then."""
         self._state.draining = True
-        timeout = self.config.timeout_graceful_shutdown
-        cut = None if timeout is None else asyncio.get_running_loop().call_later(
-            max(0.0, timeout - min(CUT_MARGIN_S, timeout / 2)), cut_off, self._state.inflight)
+        cut = asyncio.get_running_loop().call_later(self._drain_s, cut_off, self._state.inflight)
         try:
             await super().shutdown(sockets)
         finally:
-            if cut is not None:
-                cut.cancel()
+            cut.cancel()
 
 
 class Server:
@@ -61,9 +59,9 @@ class Server:
         self._socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s + CUT_GRACE_S,
                                 lifespan="off")
-        self._uvicorn = _Uvicorn(config, app.state.kvboost)
+        self._uvicorn = _Uvicorn(config, app.state.kvboost, drain_timeout_s)
         self._thread: threading.Thread | None = None
 
     @property

@@ -7,6 +7,7 @@ toward the process's memory, however large the file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -18,8 +19,9 @@ import xxhash
 from .checkpoint import TensorEntry, pread_exact, read_header
 
 
-CONTENT = "content_xxh3"         # the pack's metadata key for its blobs' digest
-_CHECKED: set[tuple] = set()     # pack files (path, mtime, size, inode) whose content was found whole
+CONTENT = "layers_xxh3"          # the pack's metadata key for its blobs' digests (a JSON map: layer -> xxh3)
+_CHECKED: dict[tuple, set] = {}  # pack files (path, mtime, size, inode) -> the layers found whole
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
 class PackFileTier:
@@ -50,8 +52,9 @@ class PackFileTier:
         try:
             pread_exact(self._fd, memoryview(out.numpy()), entry.offset)
         except OSError as err:                  # cut short or unreadable since the load
-            raise OSError(err.errno, f"cannot read layer {layer} from the pack file {self.path} ({err.strerror or err}); "
-                                     "it is written again on the next load") from err
+            raise OSError(*((err.errno,) if err.errno is not None else ()),
+                          f"cannot read layer {layer} from the pack file {self.path} ({err.strerror or err}); "
+                          "it is written again on the next load") from err
         return out
 
     def close(self) -> None:
@@ -85,14 +88,15 @@ def write_pack_file(path: Path, sizes: dict[int, int], blobs, metadata: dict[str
     """Write a safetensors file of uint8 tensors `layers.{i}`, taking blobs one at a time.
 
     `blobs` yields (layer, uint8 tensor) in ascending layer order; the header is known from
-    `sizes` beforehand, so no more than one blob is in memory at once. The blobs' xxh3 goes into the
-    metadata (CONTENT, written over a placeholder of the same length once the data is out), so
-    pack_file_ok finds a file whose bytes changed since. Written to a staging name (paths'
+    `sizes` beforehand, so no more than one blob is in memory at once. Each blob's xxh3 goes into the
+    metadata (CONTENT, a JSON map written over a placeholder of the same length once the data is out),
+    so pack_file_ok finds a layer whose bytes changed since. Written to a staging name (paths'
     STAGING_PREFIXES: a killed writer's file is pruned a day later) and renamed, so a reader never
-    sees a partial file; a write that fails (a full disk) is an OSError naming the file.
+    sees a partial file; a write the storage refuses (a full disk, a read-only folder) is an OSError
+    naming the file and what to do.
     """
-    def header_bytes(digest: str) -> bytes:
-        header: dict = {"__metadata__": {**metadata, CONTENT: digest}}
+    def header_bytes(digests: dict[int, str]) -> bytes:
+        header: dict = {"__metadata__": {**metadata, CONTENT: json.dumps({str(i): d for i, d in digests.items()})}}
         offset = 0
         for layer in sorted(sizes):
             header[f"layers.{layer}"] = {"dtype": "U8", "shape": [sizes[layer]], "data_offsets": [offset, offset + sizes[layer]]}
@@ -102,23 +106,24 @@ def write_pack_file(path: Path, sizes: dict[int, int], blobs, metadata: dict[str
         return struct.pack("<Q", len(raw)) + raw
 
     tmp = path.with_name(f".pack-{path.name}.{os.getpid()}.tmp")
-    digest = xxhash.xxh3_64()
+    digests = {layer: "0" * 16 for layer in sorted(sizes)}     # xxh3 hex digests: always 16 characters
     try:
         with open(tmp, "wb") as handle:
-            placeholder = header_bytes("0" * 16)
-            handle.write(placeholder)
+            handle.write(header_bytes(digests))
             for layer, blob in blobs:
                 if blob.numel() != sizes[layer]:
                     raise ValueError(f"layer {layer}: a blob of {blob.numel()} bytes, {sizes[layer]} announced")
-                digest.update(memoryview(blob.numpy()))
+                digests[layer] = xxhash.xxh3_64_hexdigest(memoryview(blob.numpy()))
                 handle.write(memoryview(blob.numpy()))
             handle.seek(0)
-            handle.write(header_bytes(digest.hexdigest()))      # the same length as the placeholder
+            handle.write(header_bytes(digests))                 # the same length as the placeholder
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as err:                      # an interrupted write leaves nothing behind
         tmp.unlink(missing_ok=True)
+        if err.errno not in _STORAGE_ERRORS:     # a checkpoint read that failed, ...: as it is
+            raise
         raise OSError(err.errno, f"cannot write the pack file {path} ({err.strerror or err}): free space there, "
                                  "set KVBOOST_HOME to another folder, or stream from RAM (stream_from='ram')") from err
     except BaseException:
@@ -126,43 +131,42 @@ def write_pack_file(path: Path, sizes: dict[int, int], blobs, metadata: dict[str
         raise
 
 
-def pack_file_ok(path: Path, sizes: dict[int, int], metadata: dict[str, str]) -> bool:
+def pack_file_ok(path: Path, sizes: dict[int, int], metadata: dict[str, str], layers=None) -> bool:
     """Whether `path` is a whole pack file as write_pack_file(path, sizes, ..., metadata) writes it:
-    its header readable, the same metadata and layer sizes, the file as long as they say and its
-    blobs' xxh3 the one recorded (a file cut short, damaged since, or another one at the name is
-    written again rather than failing or answering garbage mid-request). The content is read once
-    per process and file version."""
+    its header readable, the same metadata and layer sizes, the file as long as they say and the
+    xxh3 of each of `layers` (default: all; a load checks those it streams) the one recorded (a file
+    cut short, damaged since, or another one at the name is written again rather than failing or
+    answering garbage mid-request). A layer's bytes are read once per process and file version."""
     try:
         header, base = read_header(path)
         stat = path.stat()
-        layers = {int(key.split(".")[1]): info["data_offsets"] for key, info in header.items() if key.startswith("layers.")}
+        extents = {int(key.split(".")[1]): info["data_offsets"] for key, info in header.items() if key.startswith("layers.")}
         recorded = dict(header.get("__metadata__") or {})
-        digest = recorded.pop(CONTENT, None)
-        if not (recorded == metadata and {i: end - start for i, (start, end) in layers.items()} == sizes
-                and stat.st_size >= base + max((end for _, end in layers.values()), default=0)):
+        digests = json.loads(recorded.pop(CONTENT, "{}"))
+        if not (recorded == metadata and {i: end - start for i, (start, end) in extents.items()} == sizes
+                and stat.st_size >= base + max((end for _, end in extents.values()), default=0)):
             return False
-        stamp = (str(path), stat.st_mtime_ns, stat.st_size, stat.st_ino)
-        if stamp not in _CHECKED:
-            if digest is None or _content_digest(path, base, layers) != digest:
+        checked = _CHECKED.setdefault((str(path), stat.st_mtime_ns, stat.st_size, stat.st_ino), set())
+        for layer in sorted(set(extents if layers is None else layers) - checked):
+            start, end = extents[layer]
+            if digests.get(str(layer)) != _layer_digest(path, base + start, end - start):
                 return False
-            _CHECKED.add(stamp)
+            checked.add(layer)
         return True
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
         return False
 
 
-def _content_digest(path: Path, base: int, layers: dict) -> str:
+def _layer_digest(path: Path, offset: int, length: int) -> str:
     digest = xxhash.xxh3_64()
     with open(path, "rb") as handle:
-        for _, (start, end) in sorted(layers.items()):
-            handle.seek(base + start)
-            left = end - start
-            while left:
-                block = handle.read(min(left, 1 << 23))
-                if not block:
-                    raise OSError(f"{path} ends inside its data")
-                digest.update(block)
-                left -= len(block)
+        handle.seek(offset)
+        while length:
+            block = handle.read(min(length, 1 << 23))
+            if not block:
+                raise OSError(f"{path} ends inside its data")
+            digest.update(block)
+            length -= len(block)
     return digest.hexdigest()
 
 

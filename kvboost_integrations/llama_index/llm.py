@@ -164,20 +164,21 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
 
     def to_payload(self) -> Dict[str, Any]:
         """Settings for callbacks and instrumentation; does not load the engine."""
-        payload = {"class_name": self.class_name(), "model": self.model, **self._params({})}
-        if self._engine is not None:
-            payload.update(self.metadata.model_dump())
-        return payload
+        loaded = self.metadata.model_dump() if self._engine is not None else {}
+        return {"class_name": self.class_name(), "model": self.model, **self._params({}), **loaded}
 
     @property
     def tokenizer(self) -> ModelTokenizer:
         """The model's tokenizer as LlamaIndex wants it: `Settings.tokenizer = llm.tokenizer`."""
         return ModelTokenizer(self.engine.tokenizer)
 
+    def chat_prompt(self, messages: Sequence[ChatMessage]):
+        """What chat() sends without tools: the custom messages_to_prompt's text, else the engine's messages."""
+        return self.messages_to_prompt(messages) if self._custom_messages_to_prompt else to_engine_messages(messages)
+
     def count_prompt_tokens(self, messages: Sequence[ChatMessage]) -> int:
-        """Prompt tokens these messages take as chat() sends them: its custom messages_to_prompt, else the template."""
-        custom = self._custom_messages_to_prompt
-        return self.engine.count_tokens(self.messages_to_prompt(messages) if custom else to_engine_messages(messages))
+        """Prompt tokens these messages take as chat() sends them."""
+        return self.engine.count_tokens(self.chat_prompt(messages))
 
     # ---- requests ----------------------------------------------------------------------
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict, custom: bool = True) -> EngineCall:
@@ -189,12 +190,11 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
             thinking, grammar = kwargs.pop("thinking", self.thinking), kwargs.pop("constraint", None)
             for name in ("tools", "tool_choice", "document_order"):
                 kwargs.pop(name, None)
-            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=self.messages_to_prompt(messages),
+            return EngineCall(lambda: self.engine, self._params(kwargs), prompt=self.chat_prompt(messages),
                               grammar=grammar, timeout=timeout, reasoning=thinking)
         specs = tool_specs(kwargs.pop("tools", None) or [])
         choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"
-        grammar = kwargs.pop("constraint", None)
-        thinking = kwargs.pop("thinking", self.thinking)
+        grammar, thinking = kwargs.pop("constraint", None), kwargs.pop("thinking", self.thinking)
         order = kwargs.pop("document_order", None) or self.document_order
         if order not in DOCUMENT_ORDERS:
             raise InputError(f"document_order must be one of {', '.join(DOCUMENT_ORDERS)}, got {order!r}")

@@ -27,7 +27,6 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from .llm import KVBoost
-from .messages import to_engine_messages
 from .packing import fit_texts, pack, template_messages
 from .telemetry import SynthesisTelemetry
 
@@ -202,7 +201,7 @@ class KVBoostSynthesizer(BaseSynthesizer):
             # as synthesis sends it: the metadata header (file_name, ... from any loader) and the text
             text = node.get_content(metadata_mode=MetadataMode.LLM) if hasattr(node, "get_content") else node
             step = _Step(self._text_qa_template, "context_str", [text], {"query_str": query_str})
-            total += self._llm.engine.warm(to_engine_messages(self._messages(step)))
+            total += self._llm.engine.warm(self._llm.chat_prompt(self._messages(step)))     # as chat() sends it
         return total
 
     # ---- drivers ------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
     if streamed:
         packed = {i: bindings[i] for i in streamed}
         if stream_from == "disk":
-            pack_path = _pack_file({i: b for i, b in bindings.items() if b.nbytes}, layers, ckpt, digest, pack_dir)
+            pack_path = _pack_file({i: b for i, b in bindings.items() if b.nbytes}, streamed, layers, ckpt, digest,
+                                   pack_dir)
             tier = PackFileTier(pack_path)
         else:
             tier = HostRamTier({i: _layer_blob(b, layers[i], ckpt, pin=device.type == "cuda") for i, b in packed.items()})
@@ -205,11 +206,13 @@ def _layer_blob(binding: LayerBinding, layer: nn.Module, ckpt: Checkpoint, pin: 
     return out
 
 
-def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, digest: str, pack_dir) -> Path:
+def _pack_file(bindings: dict[int, LayerBinding], streamed: list[int], layers, ckpt: Checkpoint, digest: str,
+               pack_dir) -> Path:
     """Every layer's blob in a file under the cache dir, written once per checkpoint, layout, PyTorch and
     CPU capability: loads with any residency stream their layers from it (a pack per residency set
     left one model-sized file per setting tried). Packs of the same checkpoint and setup written per
-    residency set by earlier versions are removed."""
+    residency set by earlier versions are removed. The `streamed` layers' bytes are checked (once per
+    process): a load streaming one layer does not read the whole model."""
     layouts = sorted({m.layout.name for i in bindings for m in awq_modules(layers[i])})
     cpu = torch.backends.cpu.get_cpu_capability()
     key = xxhash.xxh3_64_hexdigest(":".join([PACK_FORMAT, digest, torch.__version__, ",".join(layouts),
@@ -218,9 +221,9 @@ def _pack_file(bindings: dict[int, LayerBinding], layers, ckpt: Checkpoint, dige
     sizes = {i: b.nbytes for i, b in bindings.items()}
     metadata = {"format": PACK_FORMAT, "weights_digest": digest, "layouts": ",".join(layouts),
                 "torch": torch.__version__, "cpu": cpu}
-    if not pack_file_ok(target, sizes, metadata):
+    if not pack_file_ok(target, sizes, metadata, streamed):
         with build_lock(target):
-            if not pack_file_ok(target, sizes, metadata):     # absent, or cut short / damaged: written again
+            if not pack_file_ok(target, sizes, metadata, streamed):   # absent, cut short, damaged: written again
                 blobs = ((i, _layer_blob(bindings[i], layers[i], ckpt)) for i in sorted(bindings))
                 write_pack_file(target, sizes, blobs, metadata)
     _drop_other_packs(target, metadata)
