@@ -40,11 +40,13 @@ class _Uvicorn(uvicorn.Server):
         instead of uvicorn cancelling it mid-await (a plain-text 500, "Exception in ASGI application"
         logged): uvicorn's own timeout is CUT_GRACE_S later, for what still has not ended then."""
         self._state.draining = True
-        cut = asyncio.get_running_loop().call_later(self._drain_s, cut_off, self._state.inflight)
+        cut = None if self._drain_s is None else \
+            asyncio.get_running_loop().call_later(self._drain_s, cut_off, self._state.inflight)
         try:
             await super().shutdown(sockets)
         finally:
-            cut.cancel()
+            if cut is not None:
+                cut.cancel()
 
 
 class Server:
@@ -53,14 +55,14 @@ class Server:
     `serve()` runs in the foreground until a signal; `start()` on a daemon thread (returns once it
     listens), `stop()` drains and joins it; also a context manager (start/stop)."""
 
-    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: int = DRAIN_TIMEOUT_S,
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float | None = DRAIN_TIMEOUT_S,
                  log_level: str = "warning"):
         self.app = app
         self._socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s + CUT_GRACE_S,
-                                lifespan="off")
+        grace = None if drain_timeout_s is None else drain_timeout_s + CUT_GRACE_S     # None: wait as long as they run
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, lifespan="off")
         self._uvicorn = _Uvicorn(config, app.state.kvboost, drain_timeout_s)
         self._thread: threading.Thread | None = None
 
