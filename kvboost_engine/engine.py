@@ -94,9 +94,9 @@ class Engine:
         For it, `resident_layers=k` keeps k decoder layers resident (first ceil(k/2), last
         floor(k/2)) and streams the others from a backing tier just before they run; None keeps
         all resident. `resident_bytes` instead sizes residency by a byte budget (staging slots
-        included). `stream_from`: "disk" (default; a pack file under the kvboost cache dir) or
-        "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
-        `awq_kernel` forces "dequant", "cpu-int4pack" or "awq-ext".
+        included). `stream_from`: "disk" (default; a pack file under the kvboost cache dir) or "ram".
+        `staging_slots` (default 2) bounds streamed layers in memory at once; `awq_kernel` forces "native"
+        (the CPU default where the native step runs, all layers resident), "dequant", "cpu-int4pack" or "awq-ext".
 
         `weights`: None keeps the weights as stored where the native step runs them: a llama /
         mistral / qwen2 / qwen3 / gemma3 .gguf on CPU in float32 runs its own 4/8-bit numbers (repacked
@@ -118,7 +118,8 @@ class Engine:
         source = resolve_model_dir(model, weights, as_stored=device.type == "cpu" and dtype == torch.float32)
         hf_model, tokenizer = load_model_and_tokenizer(
             source, device=device, dtype=dtype, resident_layers=resident_layers, resident_bytes=resident_bytes,
-            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel, weights=weights)
+            stream_from=stream_from, staging_slots=staging_slots, awq_kernel=awq_kernel, weights=weights,
+            native=config.native_decode is not False)
         name = "SmolLM2-135M-Instruct" if model is None else os.fspath(model)
         engine = cls(hf_model, tokenizer, config=config, model_name=name)
         engine._owns_model = True

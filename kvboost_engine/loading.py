@@ -267,7 +267,8 @@ def fetch_model(model: str | os.PathLike | None = None, *, gguf: str | os.PathLi
     return source if isinstance(source, Path) else hub_model_dir(source)
 
 
-def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str | None = None, **awq_options):
+def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str | None = None, native: bool = True,
+                             **awq_options):
     """Load a supported causal LM and its tokenizer; unsupported architectures fail before weights load.
 
     `weights` ("bf16", "int8", "int4"; None or "fp32": as stored) converts the linear layers to a
@@ -275,8 +276,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
 
     An AWQ checkpoint (quantization_config with quant_method "awq") is loaded by kvboost's own
     AWQ loader; `awq_options` (resident_layers, resident_bytes, stream_from, staging_slots,
-    awq_kernel) go to it and are an error for any other model.
-    """
+    awq_kernel) go to it and are an error for any other model; `native` False (native_decode=False)
+    keeps its layers off the native step's layout."""
     from transformers import AutoConfig
 
     from .model.arch import check_supported
@@ -302,8 +303,8 @@ def load_model_and_tokenizer(source: Path | str, *, device, dtype, weights: str 
         if fmt is not None:
             raise InputError(f"weights={weights!r}: {source} is an AWQ checkpoint, its weights are already 4-bit")
         tokenizer = compat.load_tokenizer(source)
-        kernel = awq_options.pop("awq_kernel", None)
-        return load_awq_model(source, device=device, dtype=dtype, kernel=kernel, **awq_options), tokenizer
+        kernel, native = awq_options.pop("awq_kernel", None), native and build.runs_here()
+        return load_awq_model(source, device=device, dtype=dtype, kernel=kernel, native=native, **awq_options), tokenizer
     if awq_options:
         raise InputError(f"{', '.join(sorted(awq_options))}: layer streaming needs an AWQ checkpoint "
                          f"(quantization_config with quant_method 'awq'); {source} is not one")

@@ -59,7 +59,7 @@ def test_streaming_logits_identical_to_resident(tiny_awq):
 
 def test_greedy_generation_token_identical(tiny_awq):
     prompt = "The kernel reads the weights"
-    full = Engine.from_pretrained(tiny_awq, cache_bytes=0).generate(prompt, max_new_tokens=12, min_new_tokens=12)
+    full = Engine.from_pretrained(tiny_awq, cache_bytes=0, awq_kernel="cpu-int4pack").generate(prompt, max_new_tokens=12, min_new_tokens=12)
     engine = Engine.from_pretrained(tiny_awq, cache_bytes=2**26, resident_layers=2)
     first = engine.generate(prompt, max_new_tokens=12, min_new_tokens=12)
     again = engine.generate(prompt, max_new_tokens=12, min_new_tokens=12)     # through the chunk cache

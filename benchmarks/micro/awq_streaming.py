@@ -1,17 +1,24 @@
-"""AWQ layer streaming vs fully resident: decode speed, bus bound, prefetch hits, peak memory.
+"""AWQ layer streaming vs fully resident: decode speed, bus bound, prefetch hits, peak memory; and
+the native step's kernel (the CPU default where it runs, every layer resident) against them.
 
 Each configuration runs in its own process so peak RSS is its own:
 
     python -m benchmarks.micro.awq_streaming --awq DIR [--resident 2] [--tokens 48] [--repeats 3] [--out FILE]
+    python -m benchmarks.micro.awq_streaming --awq 1.7b --resident 4 --tokens 16 --repeats 2
 
 With no --awq, the default model is quantized once by our producer (kvboost_tools.awq.quantize)
-into the kvboost cache dir. Greedy decoding, no KV reuse (cache_bytes=0), torch threads = 2.
+into the kvboost cache dir; `--awq 1.7b` writes random AWQ tensors (groups of 128) over the dense
+weights of the random SmolLM2-1.7B-shape model (benchmarks/gguf_models.py; speed and memory do not
+depend on the values). Resident and streaming run `--kernel` (cpu-int4pack: streaming cannot run
+the native step), "native" the native step with every layer resident. Each reports decode tok/s
+(greedy, no KV reuse: cache_bytes=0) and the prefill of a 512-token prompt; torch threads = 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,17 +39,58 @@ def default_awq_dir() -> Path:
     return target
 
 
-def run_one(awq: str, resident: int | None, tokens: int, repeats: int, stream_from: str) -> dict:
-    """In a child process: load, warm up, time greedy decode; report speed, memory, telemetry."""
+def random_awq_dir(group: int = 128) -> Path:
+    """An AWQ checkpoint with random codes, zeros and scales (weights of std ~0.02, as the random
+    model's) over the random 1.7B-shape model's dense tensors, config and tokenizer; written once."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ..gguf_models import bench_dir, random_hf
+    source = random_hf("1.7b")
+    target = bench_dir("smollm2-1.7b-random") / f"awq-g{group}"
+    if (target / "model.safetensors").exists():
+        return target
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": None}
+    gen, tensors = torch.Generator().manual_seed(0), {}
+    with safe_open(source / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            if not (name.endswith("_proj.weight") and ".layers." in name):
+                tensors[name] = f.get_tensor(name).half()
+                continue
+            n, k = f.get_slice(name).get_shape()
+            prefix = name.removesuffix(".weight")
+            tensors[f"{prefix}.qweight"] = torch.randint(-2**31, 2**31 - 1, (k, n // 8), generator=gen, dtype=torch.int64).int()
+            tensors[f"{prefix}.qzeros"] = torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32)   # zero 7
+            tensors[f"{prefix}.scales"] = torch.full((k // group, n), 0.005, dtype=torch.float16)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    for file in source.iterdir():
+        if file.suffix in (".json", ".jinja") and file.name != "config.json":
+            shutil.copyfile(file, staging / file.name)
+    os.replace(staging, target)
+    return target
+
+
+def run_one(awq: str, resident: int | None, tokens: int, repeats: int, stream_from: str, kernel: str | None) -> dict:
+    """In a child process: load, warm up, time greedy decode and a 512-token prefill; report speed,
+    memory, telemetry."""
     import torch
     torch.set_num_threads(2)
     from kvboost_engine import Engine
     from kvboost_engine.weights.memory import peak_rss_bytes
     from kvboost_engine.weights.tiers import PackFileTier
+    from kvboost_tools.awq.texts import evaluation_text
 
-    engine = Engine.from_pretrained(awq, cache_bytes=0, resident_layers=resident,
+    engine = Engine.from_pretrained(awq, cache_bytes=0, resident_layers=resident, awq_kernel=kernel,
                                     stream_from=stream_from if resident is not None else None)
     loaded_peak, loaded_rss = peak_rss_bytes(), current_rss_bytes()
+    long_prompt = engine.tokenizer.decode(engine.tokenizer(evaluation_text())["input_ids"][:512])
     engine.generate(PROMPT, max_new_tokens=4, min_new_tokens=4)          # warm-up (and first prefetch cycle)
     streamer = getattr(engine.model, "kvboost_streamer", None)
     if streamer is not None:
@@ -52,7 +100,10 @@ def run_one(awq: str, resident: int | None, tokens: int, repeats: int, stream_fr
         gen = engine.generate(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
         rates.append((len(gen.token_ids) - 1) / (gen.total_s - gen.ttft_s))
         ids = gen.token_ids
+    prefills = [engine.generate(long_prompt, max_new_tokens=1) for _ in range(max(1, repeats - 1))]
     out = {"resident_layers": resident, "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates,
+           "prefill_tokens": prefills[0].prompt_tokens,
+           "prefill_tok_s": statistics.median(g.prompt_tokens / g.ttft_s for g in prefills),
            "token_ids": ids, "rss_after_load": loaded_rss,
            "peak_rss_after_load": loaded_peak, "peak_rss_bytes": peak_rss_bytes(),
            "stats": {k: v for k, v in engine.stats().items() if k.startswith(("stream", "prefetch", "awq", "resident",
@@ -110,7 +161,7 @@ def child(args: list[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def summarise(awq: str, resident: dict, streaming: dict, base: dict) -> dict:
+def summarise(awq: str, resident: dict, streaming: dict, base: dict, native: dict | None) -> dict:
     s = streaming["stats"]
     decode_steps = max(1, s["stream_passes"])
     bytes_per_token = s["stream_bytes"] / decode_steps
@@ -143,6 +194,10 @@ def summarise(awq: str, resident: dict, streaming: dict, base: dict) -> dict:
         "memory_bound_met": streaming["peak_rss_bytes"] <= 0.4 * (layer_bytes + s["dense_weight_bytes"]) + overhead,
         "rss_after_load_resident": resident["rss_after_load"], "rss_after_load_streaming": streaming["rss_after_load"],
         "resident": resident, "streaming": streaming,
+        "native": native,
+        "native_over_resident_decode": native and native["decode_tok_s"] / resident["decode_tok_s"],
+        "native_over_resident_prefill": native and native["prefill_tok_s"] / resident["prefill_tok_s"],
+        "native_peak_rss_over_resident": native and native["peak_rss_bytes"] / resident["peak_rss_bytes"],
     }
 
 
@@ -154,21 +209,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream-from", default="disk")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--child", choices=["resident", "streaming", "baseline"], default=None)
+    parser.add_argument("--kernel", default="cpu-int4pack", help="the resident and streaming runs' awq_kernel")
+    parser.add_argument("--child", choices=["resident", "streaming", "native", "baseline"], default=None)
     args = parser.parse_args()
     if args.child == "baseline":
         print(json.dumps(baseline_rss(args.awq)))
         return
     if args.child:
-        resident = None if args.child == "resident" else args.resident
-        print(json.dumps(run_one(args.awq, resident, args.tokens, args.repeats, args.stream_from)))
+        resident = args.resident if args.child == "streaming" else None
+        kernel = "native" if args.child == "native" else args.kernel
+        print(json.dumps(run_one(args.awq, resident, args.tokens, args.repeats, args.stream_from, kernel)))
         return
-    awq = args.awq or str(default_awq_dir())
+    awq = str(random_awq_dir()) if args.awq == "1.7b" else args.awq or str(default_awq_dir())
     common = ["--awq", awq, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-              "--resident", str(args.resident), "--stream-from", args.stream_from]
+              "--resident", str(args.resident), "--stream-from", args.stream_from, "--kernel", args.kernel]
+    from kvboost_engine.native import build
     started = time.perf_counter()
+    native = child(common + ["--child", "native"]) if build.runs_here() else None
     report = summarise(awq, child(common + ["--child", "resident"]), child(common + ["--child", "streaming"]),
-                       child(["--child", "baseline", "--awq", awq]))
+                       child(["--child", "baseline", "--awq", awq]), native)
     report["wall_s"] = time.perf_counter() - started
     text = json.dumps(report, indent=2)
     print(text)

@@ -82,7 +82,7 @@ def ours(path: str, tokens: list[int], n_ctx: int, mode: str, threads: int, kv_d
         window = list(tokens[start:start + n_ctx])
         if add_bos:
             window[0] = bos
-        for logits, target in _window_logits(engine, window, first, mode):
+        for logits, target in window_logits(engine, window, first, mode):
             nll -= float(torch.log_softmax(logits.float(), dim=-1)[target])
             count += 1
     out = {"ppl": math.exp(nll / count), "scored": count, "seconds": time.perf_counter() - started,
@@ -91,7 +91,7 @@ def ours(path: str, tokens: list[int], n_ctx: int, mode: str, threads: int, kv_d
     return out
 
 
-def _window_logits(engine, window: list[int], first: int, mode: str):
+def window_logits(engine, window: list[int], first: int, mode: str):
     """(logits, next token) for positions first .. len(window) - 2 of one window."""
     import torch
     if mode == "hf":

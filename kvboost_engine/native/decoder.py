@@ -17,9 +17,10 @@ step whose KV is not addressable by slot (blocks spilled to disk) too.
 A float32 model keeps its own weights: the step reads the model's float matrices in place (no
 copy) with float activations, the same arithmetic as the PyTorch step up to the order of additions
 (greedy replies are the same on the tests and benchmarks; exact reuse stays exact, since a request
-with and without cache decodes through the same step). A model whose every decoder linear and
-head is a PackedLinear (weights/packed.py: a quantized file's codes, d in bf16 / fp16 / fp32, m in
-fp16 / fp32, already in the kernel's tiles) is read in place too: no copy, no repack.
+with and without cache decodes through the same step). A model whose every decoder linear is a
+PackedLinear (weights/packed.py: a quantized file's codes, d in bf16 / fp16 / fp32, m in fp16 / fp32,
+already in the kernel's tiles; an AWQ checkpoint's layers with awq_kernel="native"), with the head
+one too or float32 (AWQ's), is read in place too: no copy, no repack.
 
 KV is float32, float16 / bfloat16 or int8 (EngineConfig.kv_dtype): the step reads those rows as floats
 (int8: code * scale) and writes its own K and V as the PyTorch path stores them (kv/element.py:
@@ -40,7 +41,7 @@ import torch
 
 from ..model.arch import ModelAdapter
 from . import abi, build
-from .matrices import ABSENT, embeds_from_head, float_matrix, joined, packed, weights_kind
+from .matrices import ABSENT, embeds_from_head, float_matrix, head_matrix, joined, packed, weights_kind
 from .support import KV_AHEAD_ENV, PREFILL_ENV, float_prefill_off, kv_ahead, unsupported_reason  # noqa: F401 (ENVs read here)
 
 ROPE_TABLE = 1024                                   # positions of cos/sin computed per table extension
@@ -94,7 +95,7 @@ class NativeDecoder:
                 setattr(args, name, abi.mat_args(mat, self._hold))
             args.window = window or 0
             args.rope = self._kinds.index(kind)
-        head = {"int4": lambda h: joined([h], 8), "packed": packed, "float": float_matrix}[self.kind](adapter.lm_head)
+        head = head_matrix(self.kind, adapter.lm_head)
         self.vocab = head["dims"][0]
         self.exact_top = int(getattr(adapter.lm_head, "exact_top", 0))
         model = abi.ModelArgs(len(parts), plain.hidden, plain.heads, g.kv_heads, g.head_dim, plain.intermediate,

@@ -43,16 +43,28 @@ def joined(modules: list, bits: int) -> dict:
 
 
 def weights_kind(adapter: ModelAdapter) -> str | None:
-    """"int4" (decoder layers int4, head int8), "packed" (every decoder linear and the head a
-    PackedLinear: read in place), "float" (all plain float32 linears), or None."""
+    """"int4" (decoder layers int4, head int8), "packed" (every decoder linear a PackedLinear, read in
+    place, and the head one too or float32: AWQ's), "float" (all plain float32 linears), or None."""
     linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
-    if all(type(m) is PackedLinear for m in [*linears, adapter.lm_head]):
+    if all(type(m) is PackedLinear for m in linears) and (type(adapter.lm_head) is PackedLinear
+                                                          or _float32(adapter.lm_head)):
         return "packed"
     if all(int4_readable(m) for m in linears) and type(adapter.lm_head) is Int8Linear:
         return "int4"
-    if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in [*linears, adapter.lm_head]):
+    if all(_float32(m) for m in [*linears, adapter.lm_head]):
         return "float"
     return None
+
+
+def _float32(module) -> bool:
+    return type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+
+
+def head_matrix(kind: str, head) -> dict:
+    """The output head's matrix arguments for a model of weights_kind `kind`."""
+    if kind == "int4":
+        return joined([head], 8)
+    return packed(head) if type(head) is PackedLinear else float_matrix(head)
 
 
 def int4_readable(module) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from ..model.arch import ModelAdapter
 from . import abi, build
+from ..weights.awq.linear import AWQLinear
 from ..weights.formats import INT4_BLOCKS, INT4_GROUP, Int4Linear, Int8Linear
 from .matrices import int4_readable, weights_kind
 
@@ -60,9 +61,9 @@ def unsupported_reason(adapter: ModelAdapter) -> str | None:
         return "layers are streamed"
     kind = weights_kind(adapter)
     if kind is None:
-        return _int4_layout_reason(adapter) or (
+        return _int4_layout_reason(adapter) or _awq_reason(adapter) or (
             'needs every decoder linear layer and the head in float32, or the layers in int4 and the '
-            'head in int8 (weights="int4"), or all of them packed (PackedLinear)')
+            'head in int8 (weights="int4"), or the layers packed (PackedLinear) and the head packed or float32')
     for i in range(len(adapter.layers)):
         if kind == "int4" and any(m.out_features % TILE or m.in_features % BLOCK for m in adapter.layer_parts(i).linears):
             return "a layer's shape is not a multiple of 16 rows x 32 columns"
@@ -86,3 +87,15 @@ def _int4_layout_reason(adapter: ModelAdapter) -> str | None:
                     f"read (it reads rows a multiple of {INT4_BLOCKS[0]} on every CPU)")
         return f"an int4 layer in groups of {m.group} (the step reads groups of {INT4_GROUP})"
     return None
+
+
+def _awq_reason(adapter: ModelAdapter) -> str | None:
+    """For an AWQ model some of whose layers run a PyTorch kernel: which and how the step would take them."""
+    layers = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears if type(m) is AWQLinear]
+    if not layers:
+        return None
+    kernels = ", ".join(sorted({m.layout.name for m in layers}))
+    return (f"{len(layers)} AWQ layers run awq_kernel {kernels}: the step reads awq_kernel='native' (every layer "
+            f"resident, in and out features multiples of {BLOCK} and {TILE}, groups a multiple of {BLOCK}; "
+            f"the first: {layers[0].checkpoint_name}, {layers[0].out_features} x {layers[0].in_features} in groups of "
+            f"{layers[0].group_size})")

@@ -1,8 +1,11 @@
 """Compute layouts for 4-bit AWQ weights: how they sit in memory and how a matmul reads them.
 
 A layout turns the checkpoint's tensors (qweight, qzeros, scales) into its own tensors once,
-at load time; the same bytes are what layer streaming moves. Three layouts:
+at load time; the same bytes are what layer streaming moves. Four layouts:
 
+- `native`: the native step's tiles (a PackedLinear per layer, every layer resident; the CPU
+  default where the native step runs: int8 activations per block of 32, the same numbers
+  whatever rows share a step, so reuse is token-exact).
 - `cpu-int4pack`: PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations).
 - `awq-ext`: AutoAWQ's CUDA kernels (`awq_ext`, the optional `[awq-cuda]` extra), AWQ tensors as is.
 - `dequant`: any device; AWQ tensors as is, dequantized to the activation dtype per matmul.
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
+from ..packed import BLOCK, TILE, PackedLinear, pack_codes
 from .format import dequantize, unpack_int4
 
 
@@ -83,6 +87,30 @@ class CpuInt4PackLayout:
         return group in (32, 64, 128, 256) and k % group == 0 and n % 16 == 0
 
 
+class NativeLayout:
+    """The native step's layout (weights/packed.py): per row and block of 32 columns, d = the AWQ
+    scale (in its own dtype) and m = -zero * scale (float32: an exact product for a float16 or
+    bfloat16 scale), so w = q * d + m is AWQ's (q - zero) * scale with one rounding. The layers
+    become PackedLinear modules at load, every one resident (the step reads them in place; streamed
+    layers take the other layouts), and the native step computes with int8 activations per block."""
+
+    name = "native"
+
+    def prepare(self, qweight, qzeros, scales, group: int) -> dict[str, torch.Tensor]:
+        q = unpack_int4(qweight).T.contiguous()                                   # [N, K] uint8
+        per = group // BLOCK
+        d = scales.T.repeat_interleave(per, dim=1)                                # [N, K/32]
+        m = (unpack_int4(qzeros).float() * scales.float()).neg_().T.repeat_interleave(per, dim=1)
+        return pack_codes(q, d, m, 4, scale_dtype=scales.dtype, offset_dtype=torch.float32)
+
+    def module(self, tensors: dict[str, torch.Tensor], k: int, n: int, bias) -> PackedLinear:
+        return PackedLinear(tensors["codes"], tensors["d"], tensors["m"], 4, n, k, bias=bias)
+
+    @staticmethod
+    def supports(k: int, n: int, group: int) -> bool:
+        return n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0
+
+
 class AwqExtLayout:
     """AutoAWQ's CUDA GEMM kernels (package `autoawq-kernels`, extra `[awq-cuda]`); AWQ tensors as
     stored, fp16 activations. Same dispatch as AutoAWQ: GEMM kernel for small batches, dequantize
@@ -104,18 +132,24 @@ class AwqExtLayout:
         return out.to(x.dtype)
 
 
-KERNELS = ("dequant", "cpu-int4pack", "awq-ext")
+KERNELS = ("native", "dequant", "cpu-int4pack", "awq-ext")
 
 
-def select_layout(device: torch.device, kernel: str | None = None):
+def select_layout(device: torch.device, kernel: str | None = None, native: bool = False):
     """The best layout for `device`: a named one when `kernel` is given, else probed.
 
-    CPU: `cpu-int4pack` when PyTorch has the op and it passes a small self-check, else
-    `dequant`. CUDA: `awq-ext` when AutoAWQ's kernels import, else `dequant`. A named kernel that
-    does not exist, cannot run on `device` or is not installed: InputError.
+    CPU: `native` where `native` says the native step can take the model (it runs on this
+    machine, float32, every layer resident: the loader's call), else `cpu-int4pack` when PyTorch
+    has the op and it passes a small self-check, else `dequant`. CUDA: `awq-ext` when AutoAWQ's
+    kernels import, else `dequant`. A named kernel that does not exist, cannot run on `device` or
+    is not installed: InputError.
     """
     if kernel is not None and kernel not in KERNELS:
         raise InputError(f"unknown awq_kernel {kernel!r} (one of {', '.join(KERNELS)})")
+    if kernel == "native" and device.type != "cpu":
+        raise InputError(f"awq_kernel='native' runs on the CPU, not on {device}")
+    if kernel == "native" or (kernel is None and native and device.type == "cpu"):
+        return NativeLayout()
     if kernel == "cpu-int4pack" and device.type != "cpu":
         raise InputError(f"awq_kernel='cpu-int4pack' runs on the CPU, not on {device}")
     if kernel == "awq-ext" and device.type != "cuda":

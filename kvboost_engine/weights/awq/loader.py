@@ -26,7 +26,7 @@ from ..streamer import LayerStreamer
 from ..tiers import HostRamTier, PackFileTier, pack_file_ok, write_pack_file
 from ..checkpoint import Checkpoint, read_header
 from .format import AWQConfig, awq_config_of
-from .kernels import CpuInt4PackLayout, DequantLayout, select_layout
+from .kernels import CpuInt4PackLayout, DequantLayout, NativeLayout, select_layout
 from .linear import AWQLinear
 
 PACK_FORMAT = "kvboost-awq-pack-1"
@@ -56,8 +56,12 @@ class AWQInfo:
 def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
                    resident_layers: int | None = None, resident_bytes: int | None = None,
                    stream_from: str = "disk", staging_slots: int = 2, kernel: str | None = None,
-                   pack_dir: Path | None = None) -> nn.Module:
-    """Load an AWQ (GEMM) checkpoint directory; stream all but the resident decoder layers."""
+                   pack_dir: Path | None = None, native: bool = False) -> nn.Module:
+    """Load an AWQ (GEMM) checkpoint directory; stream all but the resident decoder layers.
+
+    `native`: the native step runs on this machine (loading.py asks native.build); then, with no
+    kernel named, a float32 model with every layer resident loads its layers in the native step's
+    layout (kernels.NativeLayout: PackedLinear modules)."""
     from transformers import AutoConfig
 
     if stream_from not in STREAM_TIERS:
@@ -68,15 +72,21 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
     if resident_bytes is not None and (isinstance(resident_bytes, bool) or not isinstance(resident_bytes, int)
                                        or resident_bytes < 0):
         raise InputError(f"resident_bytes must be None or an int >= 0, got {resident_bytes!r}")
-    layout = select_layout(device, kernel)
     config = compat.fix_loaded_config(AutoConfig.from_pretrained(directory))
     check_supported(config)
     awq = awq_config_of(config)
     if awq is None:
         raise UnsupportedModelError(f"{directory} has no AWQ quantization_config")
+    every = resident_bytes is None and (resident_layers is None or (type(resident_layers) is int
+                                                                    and resident_layers >= config.num_hidden_layers))
+    layout = select_layout(device, kernel, native=native and every and dtype == torch.float32)
+    if isinstance(layout, NativeLayout) and not every:
+        raise InputError("awq_kernel='native' keeps every layer resident (the native step reads them in place); "
+                         "layer streaming (resident_layers, resident_bytes) runs with 'cpu-int4pack' or 'dequant'")
     ckpt = Checkpoint(directory)
     model = _skeleton(config, awq, ckpt, layout, dtype)
     _load_dense(model, ckpt, dtype)
+    native_bytes = _native_layers(model, ckpt)
     layers = decoder_layers(model)
     bindings = {i: LayerBinding(awq_modules(layer)) for i, layer in enumerate(layers)}
     resident = resident_layers_set(len(layers), resident_layers, layer_bytes=[bindings[i].nbytes for i in range(len(layers))],
@@ -96,7 +106,7 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
         else:
             tier = HostRamTier({i: _layer_blob(b, layers[i], ckpt, pin=device.type == "cuda") for i, b in packed.items()})
         model.kvboost_streamer = LayerStreamer(layers, packed, tier, staging_slots, device)
-    model.kvboost_awq = _info(model, awq, bindings, streamed, digest, pack_path)
+    model.kvboost_awq = _info(model, awq, bindings, streamed, digest, pack_path, native_bytes)
     # the kernels in the identity too (model_fingerprint reads it): each computes its own numbers,
     # so KV one kernel wrote is not the other's exact hit (cpu-int4pack's also by CPU capability)
     kernels = model.kvboost_awq.awq_kernel
@@ -123,7 +133,9 @@ def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Mod
             k, n = module.in_features, module.out_features
             _check_shapes(ckpt, name, k, n, awq.group_size)
             chosen = layout
-            if isinstance(layout, CpuInt4PackLayout) and not layout.supports(k, n, awq.group_size):
+            if isinstance(layout, NativeLayout) and not layout.supports(k, n, awq.group_size):
+                chosen = select_layout(torch.device("cpu"))             # cpu-int4pack or dequant
+            if isinstance(chosen, CpuInt4PackLayout) and not chosen.supports(k, n, awq.group_size):
                 chosen = DequantLayout()
             replacement = AWQLinear(k, n, awq.group_size, chosen, module.bias is not None, device="meta",
                                     dtype=dtype, checkpoint_name=name)
@@ -190,6 +202,22 @@ def _persistent_buffers(model: nn.Module) -> list:
     return out
 
 
+def _native_layers(model: nn.Module, ckpt: Checkpoint) -> int:
+    """Each AWQLinear of the native layout replaced by the PackedLinear of its tensors (read and
+    converted one at a time); the bytes they hold."""
+    total = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, AWQLinear) and isinstance(module.layout, NativeLayout):
+            tensors = _prepared(module, name, ckpt)
+            bias = None if module.bias is None else module.bias.data
+            packed = module.layout.module(tensors, module.in_features, module.out_features, bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, packed)
+            total += sum(t.numel() * t.element_size() for t in packed.buffers())
+            release_free_memory()
+    return total
+
+
 def _prepared(module: AWQLinear, prefix: str, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     return module.layout.prepare(ckpt.read(f"{prefix}.qweight"), ckpt.read(f"{prefix}.qzeros"),
                                  ckpt.read(f"{prefix}.scales"), module.group_size)
@@ -246,10 +274,10 @@ def _drop_other_packs(target: Path, metadata: dict) -> None:
             continue
 
 
-def _info(model, awq: AWQConfig, bindings, streamed, digest, pack_path) -> AWQInfo:
+def _info(model, awq: AWQConfig, bindings, streamed, digest, pack_path, native_bytes: int) -> AWQInfo:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     streamed_bytes = sum(bindings[i].nbytes for i in streamed)
-    total = sum(b.nbytes for b in bindings.values())
-    kernels = sorted({m.layout.name for b in bindings.values() for m, _, _ in b.placed})
+    total = sum(b.nbytes for b in bindings.values()) + native_bytes
+    kernels = sorted({m.layout.name for b in bindings.values() for m, _, _ in b.placed} | ({"native"} if native_bytes else set()))
     return AWQInfo(",".join(kernels), awq.group_size, len(bindings) - len(streamed), len(streamed),
                    total - streamed_bytes, streamed_bytes, dense, digest, str(pack_path) if pack_path else None)
