@@ -158,12 +158,27 @@ def normalize_tool_choice(tool_choice, names: list[str]) -> str:
     raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required' or one of {names}, got {tool_choice!r}")
 
 
+def parameters_problem(parameters) -> str | None:
+    """Why a tool's `parameters` cannot describe a call's arguments (a JSON object), or None."""
+    if parameters is None:
+        return None
+    if not isinstance(parameters, dict):
+        return "parameters must be a JSON schema object"
+    kind = parameters.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        return f"parameters must be an object schema (a call's arguments are a JSON object), got type {kind!r}"
+    return None
+
+
 def forced_tools(tools: list[dict], choice: str) -> dict[str, dict]:
     """Name -> parameters schema of the OpenAI tool dicts a forced `choice` ("any" or a name) allows
     (InputError for two tools of one name: a call could not say which it means)."""
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
         raise InputError(f"two tools are named {next(n for n in names if names.count(n) > 1)!r}: a call names its tool")
+    for tool in tools:
+        if (reason := parameters_problem(tool["function"].get("parameters"))) is not None:
+            raise InputError(f"tool {tool['function']['name']!r}: {reason}")
     return {t["function"]["name"]: t["function"].get("parameters") for t in tools
             if choice == "any" or t["function"]["name"] == choice}
 

@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("langchain_core")
 pytest.importorskip("llama_index.core")
 
+from langchain_core.messages import AIMessageChunk, HumanMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
-from llama_index.core.base.llms.types import ChatMessage, ChatResponse, ToolCallBlock  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage, ChatResponse, TextBlock, ToolCallBlock  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
 
 from kvboost_engine import Engine  # noqa: E402
@@ -18,6 +19,7 @@ from kvboost_engine.constrained import JsonSchema  # noqa: E402
 from kvboost_engine.toolcalls import HERMES  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost  # noqa: E402
 from kvboost_integrations.llama_index import KVBoost  # noqa: E402
+from kvboost_integrations.llama_index.messages import to_engine_messages  # noqa: E402
 from kvboost_integrations.llama_index.tools import tool_selections  # noqa: E402
 
 TRICKY = "a</tool_call>b"
@@ -126,10 +128,60 @@ def test_a_forced_call_with_another_constraint_is_refused(review_engine):
     chat = ChatKVBoost(engine=review_engine, max_tokens=40)
     with pytest.raises(ValueError, match="tool_choice.*response_format"):
         chat.bind_tools([get_time], tool_choice="get_time").bind(response_format={"type": "json_object"}).invoke("Hi")
-    auto = chat.bind_tools([get_time]).bind(response_format={"type": "json_object"})     # auto: JSON, as before
-    assert auto.invoke("Hi").content.startswith("{")
+    auto = chat.bind_tools([get_time]).bind(response_format={"type": "json_object"})     # auto: the tools were
+    with pytest.raises(ValueError, match="give one of them"):                             # dropped silently; the
+        auto.invoke("Hi")                                                                  # server refuses it too
+    none = chat.bind_tools([get_time], tool_choice="none").bind(response_format={"type": "json_object"})
+    assert none.invoke("Hi").content.startswith("{")
     llm = KVBoost(engine=review_engine, max_new_tokens=40)
     with pytest.raises(ValueError, match="tool_choice.*constraint"):
         llm.chat([ChatMessage(role="user", content="Hi")], tools=[FunctionTool.from_defaults(get_time.func)],
                  tool_choice="required", constraint=JsonSchema({"type": "object", "properties": {"x": {"const": 1}},
                                                                 "required": ["x"]}))
+
+
+def test_a_streamed_reply_in_the_history_is_an_assistant_turn(review_engine):
+    """A streamed reply added up is an AIMessageChunk: the next turn (RunnableWithMessageHistory, a
+    tool-calling agent's scratchpad) raised "cannot send a message of role 'AIMessageChunk'"."""
+    chat = ChatKVBoost(engine=review_engine, max_tokens=6)
+    history = [HumanMessage("Say hi.")]
+    reply = None
+    for chunk in chat.stream(history):
+        reply = chunk if reply is None else reply + chunk
+    assert isinstance(reply, AIMessageChunk)
+    history += [reply, HumanMessage("Again.")]
+    again = chat.invoke(history)
+    assert again.usage_metadata["input_tokens"] == chat.get_num_tokens_from_messages(history)
+    assert again.response_metadata["reused_tokens"] > 0
+
+
+def test_bind_tools_takes_strict_and_an_empty_llama_index_tool_list_is_a_plain_chat(review_engine):
+    chat = ChatKVBoost(engine=review_engine, max_tokens=30)
+    call = chat.bind_tools([get_time], tool_choice="get_time", strict=True).invoke("What time is it?")
+    assert [c["name"] for c in call.tool_calls] == ["get_time"]
+    with pytest.raises(ValueError, match="strict must be a bool"):
+        chat.bind_tools([get_time], strict="yes")
+    llm = KVBoost(engine=review_engine, max_new_tokens=4)                 # LlamaIndex adds tool_choice="auto"
+    reply = llm.chat_with_tools([], chat_history=[ChatMessage(role="user", content="Hi")])   # itself: it was refused
+    assert reply.message.content and not llm.get_tool_calls_from_response(reply, error_on_no_tool_call=False)
+
+
+def test_a_reply_that_is_only_tool_calls_goes_back_as_the_model_wrote_it():
+    """KVBoost's reply holds an empty TextBlock before its ToolCallBlock; sent back as a part of its own it
+    put "\n\n" before the call, text the model never wrote (its 34 tokens recomputed every step)."""
+    block = ToolCallBlock(tool_call_id="call_abc", tool_name="f", tool_kwargs={"x": 1})
+    reply = ChatMessage(role="assistant", blocks=[TextBlock(text=""), block])
+    alone = ChatMessage(role="assistant", blocks=[block])
+    assert to_engine_messages([reply]) == to_engine_messages([alone])
+    assert to_engine_messages([reply])[0]["content"].startswith("<tool_call>")
+
+
+def test_a_tool_whose_parameters_are_not_an_object_is_refused():
+    """A forced call to {"type": "string"} parameters came back as text, no call, finish_reason "stop"."""
+    from kvboost_engine.errors import InputError
+    from kvboost_engine.toolcalls import forced_tools
+    tool = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
+    with pytest.raises(InputError, match="tool 's': parameters must be an object schema"):
+        forced_tools([tool], "any")
+    ok = {"type": "function", "function": {"name": "t", "parameters": {"properties": {}}}}
+    assert forced_tools([ok], "any") == {"t": {"properties": {}}}

@@ -605,6 +605,10 @@ def test_request_sizes_that_would_stall_every_request_are_a_400(served):
     assert too_many.status_code == 400 and "at most 128" in too_many.json()["error"]["message"]
     twice = _post(server, "/chat/completions", {**body, "tools": tools[:2] + tools[:1], "tool_choice": "none"})
     assert twice.status_code == 400 and "repeats the name 'f0'" in twice.json()["error"]["message"]
+    string = [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]   # a forced call
+    forced = _post(server, "/chat/completions", {**body, "tools": string, "tool_choice": "required"})  # came back as text
+    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tools[0].function.parameters"
+    assert "must be an object schema" in forced.json()["error"]["message"]
     stops = _post(server, "/chat/completions", {**body, "stop": [f"s{i}" for i in range(17)]})
     assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop"
     long = _post(server, "/chat/completions", {**body, "stop": "x" * 1001})        # one string, not a list

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from ..toolcalls import (ToolCallSplitter, add_tool_prompt, calls_as_text, forced_tools, native_call, native_call_id,
-                         normalize_tool_choice, tool_format)
+                         normalize_tool_choice, parameters_problem, tool_format)
 from .protocol import BadRequest, Call
 
 MAX_TOOLS = 128                 # OpenAI's limit
@@ -66,9 +66,8 @@ def _check_tools(tools) -> list[dict]:
                 or not isinstance(function.get("name"), str)):
             raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
                              "{...}}}", f"tools[{i}]")
-        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
-                             f"tools[{i}].function.parameters")
+        if (reason := parameters_problem(function.get("parameters"))) is not None:
+            raise BadRequest(f"tools[{i}].function.{reason}", f"tools[{i}].function.parameters")
         if function["name"] in names:
             raise BadRequest(f"tools[{i}] repeats the name {function['name']!r} (a call names its tool)", f"tools[{i}]")
         names.add(function["name"])

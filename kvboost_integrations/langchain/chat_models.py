@@ -80,9 +80,9 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
             raise ValueError(f"tool_choice={requested!r} forces a tool call, but no tools are bound")
         choice = normalize_tool_choice(requested, names) if tools else "none"
         response_format = kwargs.pop("response_format", None)
-        if response_format is not None and choice not in ("auto", "none"):     # one grammar per reply
-            raise ValueError(f"tool_choice={requested!r} forces a tool call and response_format asks for JSON: "
-                             "give one of them")
+        if response_format is not None and choice != "none":     # one grammar per reply (the server refuses it too)
+            raise ValueError(f"tools (tool_choice={requested!r}) and response_format asks for JSON: give one of them "
+                             "(or tool_choice='none')")
         parallel = kwargs.pop("parallel_tool_calls", None)
         reasoning = kwargs.pop("reasoning", self.reasoning)
         params = self.sampling_params(stop, kwargs)
@@ -187,14 +187,18 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
     # ---- tools and structured output ------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
                    tool_choice: str | dict | bool | None = None, parallel_tool_calls: bool | None = None,
-                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+                   strict: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (LangChain tools, functions, Pydantic models or OpenAI/JSON-schema dicts).
 
         tool_choice: "auto" (default; the model decides), "none", "any"/"required" (a call is
         forced, written by constrained decoding) or a tool name (that tool is forced).
         parallel_tool_calls: False keeps only the first call of a reply (None/True: every call the
-        model writes). Other kwargs are call parameters, checked here.
+        model writes). strict (ChatOpenAI's) is accepted: a forced call's arguments always follow
+        the schema; under "auto" the model's calls are parsed as it wrote them. Other kwargs are
+        call parameters, checked here.
         """
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"strict must be a bool or None, got {strict!r}")
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
         if parallel_tool_calls is not None:

@@ -68,13 +68,17 @@ def reasoning_of(message: AIMessage) -> str:
                      if isinstance(block, dict) and block.get("type") in ("reasoning", "thinking")).strip()
 
 
+_CLASSES = ((SystemMessage, "system"), (HumanMessage, "human"), (AIMessage, "ai"), (ToolMessage, "tool"),
+            (FunctionMessage, "function"))
+
+
 def _role(message: BaseMessage) -> str:
+    """The message's role; a chunk class (AIMessageChunk: a streamed reply added up, as a history
+    keeps it) has its message class's role (its `type` names the chunk class)."""
     if isinstance(message, ChatMessage):
         role = message.role
-    elif isinstance(message, (SystemMessage, HumanMessage, AIMessage, ToolMessage, FunctionMessage)):
-        role = message.type
     else:
-        role = getattr(message, "type", None)
+        role = next((kind for cls, kind in _CLASSES if isinstance(message, cls)), getattr(message, "type", None))
     if role not in _ROLES:
         raise ValueError(f"ChatKVBoost cannot send a message of role {role!r}; use system, human, ai or tool")
     return _ROLES[role]

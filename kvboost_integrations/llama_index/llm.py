@@ -192,8 +192,8 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
                 kwargs.pop(name, None)
             return EngineCall(lambda: self.engine, self._params(kwargs), prompt=self.chat_prompt(messages),
                               grammar=grammar, timeout=timeout, reasoning=thinking)
-        specs = tool_specs(kwargs.pop("tools", None) or [])
-        choice = tool_choice_for(specs, kwargs.pop("tool_choice", None), False) if specs else "none"
+        specs, requested = tool_specs(kwargs.pop("tools", None) or []), kwargs.pop("tool_choice", None)
+        choice = tool_choice_for(specs, requested, False) if specs else "none"   # (no tools: LlamaIndex adds "auto")
         grammar, thinking = kwargs.pop("constraint", None), kwargs.pop("thinking", self.thinking)
         order = kwargs.pop("document_order", None) or self.document_order
         if order not in DOCUMENT_ORDERS:

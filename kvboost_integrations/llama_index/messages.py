@@ -66,7 +66,8 @@ def _engine_message(message: ChatMessage, index: int, native_tools: bool) -> dic
                          "without a word")
     documents = set(message.additional_kwargs.get(DOCUMENT_BLOCKS, ()))
     parts = [_part(block, position in documents) for position, block in enumerate(message.blocks)]
-    parts = [part for part in parts if part is not None]
+    parts = [part for part in parts if part is not None and part != {"type": "text", "text": ""}]   # (the empty
+    # text block of a reply that is only tool calls: as a part of its own it added "\n\n" the model never wrote)
     calls = tool_calls_of(message)
     if calls and not native_tools:
         parts.append({"type": "text", "text": calls_as_text([(name, args) for name, args, _ in calls])})
