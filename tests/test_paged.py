@@ -173,6 +173,33 @@ def test_a_spill_file_the_disk_cannot_hold_refuses_the_request_not_the_process(s
     engine.close()
 
 
+def test_a_request_that_fits_in_ram_evicts_cached_chunks_before_it_spills(smol, tmp_path, monkeypatch):
+    """With a disk tier, the spill file's blocks counted as free: a request that fits the RAM pool once
+    cached chunks go was put in the spill file whole (every step on the PyTorch loop, 11x slower in a
+    review), and refused where the disk could not hold the spill file."""
+    tokenizer = smol[1]
+    model = tiny_model("llama")                          # 512 bytes of KV a token: 8 KiB a block of 16
+    block = 16 * 512
+    words = "far away into deep green forests near old towns and rivers".split()
+    first = "Story one. " + " ".join(words[i % len(words)] for i in range(210))
+    second = "Story two. " + " ".join(words[(3 * i) % len(words)] for i in range(180))
+    want = Engine(model, tokenizer, cache_bytes=0).generate(second, max_new_tokens=16, min_new_tokens=16).token_ids
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)     # the spill file never gets its space
+    engine = Engine(model, tokenizer, disk_cache_dir=str(tmp_path), cache_bytes=16 * block, kv_pool_bytes=24 * block)
+    engine.generate(first, max_new_tokens=1)
+    assert engine.stats()["bytes_used"] > 10 * block     # cached: fewer RAM blocks free than the second needs
+    out = engine.generate(second, max_new_tokens=16, min_new_tokens=16)
+    stats = engine.stats()
+    assert out.token_ids == want and stats["evictions"] > 0
+    assert stats["pool_peak_blocks_used"] <= stats["pool_ram_blocks"]
+    assert "KV blocks spilled to disk" not in (stats["native_fallback_steps"] or {})
+    engine.close()
+
+
 RESTART_SCRIPT = """
 import sys, json, torch
 from kvboost_engine import Engine

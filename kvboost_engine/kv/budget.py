@@ -70,26 +70,36 @@ class CacheBudget:
                 self.tree.remove(node)
 
     def make_room(self, blocks: int, protected: set[int] = frozenset()) -> None:
-        """Evict cached chunks until the pool has `blocks` free blocks (for a running sequence)."""
-        missing = blocks - self.pool.free_blocks()
-        if missing <= 0:
-            return
-        if self._freeable(protected) < missing:
-            return
-        while self.pool.free_blocks() < blocks:
-            victim = next((n for n in self.tree.leaves()
-                           if n.uid not in protected and self.pool.only_cached(n.blocks).any()), None)
-            if victim is None:
+        """Evict cached chunks until the pool has `blocks` free blocks (for a running sequence): in RAM
+        where evicting can free them there (a sequence with a block in the spill file runs every step on
+        the PyTorch loop: 11x slower in a review), else anywhere (RAM and spill file)."""
+        pool = self.pool
+        for free, below in ((pool.free_ram_blocks, pool.ram_blocks), (pool.free_blocks, pool.total_blocks)):
+            missing = blocks - free()
+            if missing <= 0:
                 return
-            self.evict(victim)
+            if self._freeable(protected, below) < missing:
+                continue
+            while free() < blocks:
+                victim = next((n for n in self.tree.leaves() if n.uid not in protected and self._frees(n, below)), None)
+                if victim is None:
+                    return
+                self.evict(victim)
+            return
 
-    def _freeable(self, protected: set[int]) -> int:
-        """Blocks that evicting unpinned, unprotected chunks would free (held by nothing else). Only
-        leaves go, so a kept chunk keeps its ancestors too (they never become leaves above it)."""
+    def _frees(self, node: Node, below: int) -> bool:
+        """Whether evicting `node` frees a block with an id below `below`."""
+        ids = np.asarray(node.blocks, dtype=np.int64)
+        return bool((self.pool.only_cached(node.blocks) & (ids < below)).any())
+
+    def _freeable(self, protected: set[int], below: int) -> int:
+        """Blocks with ids below `below` (ram_blocks: in RAM) that evicting unpinned, unprotected chunks
+        would free (held by nothing else). Only leaves go, so a kept chunk keeps its ancestors too
+        (they never become leaves above it)."""
         keep = [n for n in self.tree.nodes.values() if n.pinned or n.uid in protected]
         kept = {b for n in keep for m in self.tree.path_nodes(n) for b in m.blocks}
         candidates = np.flatnonzero(self.pool.only_cached())
-        return len(set(candidates.tolist()) - kept)
+        return len(set(candidates[candidates < below].tolist()) - kept)
 
     def evict(self, node: Node) -> None:
         self.stats.evictions += 1

@@ -61,6 +61,11 @@ class BlockPool:
         with self._lock:
             return int(self._free_mask().sum())
 
+    def free_ram_blocks(self) -> int:
+        """Free blocks in RAM (those past ram_blocks live in the spill file)."""
+        with self._lock:
+            return int(self._free_mask()[:self.ram_blocks].sum())
+
     def used_blocks(self) -> int:
         with self._lock:
             return self.total_blocks - int(self._free_mask().sum())
@@ -191,12 +196,18 @@ class BlockPool:
 
 
 def _consecutive_first(free: np.ndarray, count: int, ram_blocks: int) -> np.ndarray:
-    """Prefer one run of `count` consecutive free blocks (in RAM, then anywhere); else the lowest ids."""
+    """RAM first: one run of `count` consecutive free blocks there, else any `count` there (a block in
+    the spill file sends every step of its sequence to the PyTorch loop); where RAM has fewer, one
+    run in the spill file, else the lowest ids."""
     breaks = np.flatnonzero(np.diff(free) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(free)]))
-    for s, e in zip(starts, ends):
-        if e - s >= count and (free[s] + count <= ram_blocks or free[s] >= ram_blocks):
+    runs = list(zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(free)]))))
+    for s, e in runs:
+        if e - s >= count and free[s] + count <= ram_blocks:
+            return free[s:s + count]
+    if int((free < ram_blocks).sum()) >= count:
+        return free[:count]                     # (sorted: RAM's ids come first)
+    for s, e in runs:
+        if e - s >= count and free[s] >= ram_blocks:
             return free[s:s + count]
     return free[:count]
 
