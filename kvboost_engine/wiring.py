@@ -168,8 +168,18 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
+# llama.cpp's end-of-generation token texts (llama-vocab.cpp, those of the architectures we run): a special
+# token with one of them ends a reply as the configured eos does (a GGUF stores one eos id: Gemma 3's
+# <eos>, SmolLM2's <|im_end|>; llama.cpp ends at <end_of_turn> and <|endoftext|> too)
+END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                       "<|end_of_text|>", "<EOT>", "<end_of_utterance>"})
+
+
 def eos_ids(model, tokenizer) -> frozenset:
-    ids = set()
+    """The token ids that end a reply: the configured eos (generation config, config, tokenizer) and the
+    tokenizer's special tokens of END_TEXTS."""
+    ids = {int(i) for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+           if getattr(token, "special", False) and getattr(token, "content", None) in END_TEXTS}
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):

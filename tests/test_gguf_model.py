@@ -454,3 +454,20 @@ def test_tensors_the_model_would_not_read_are_refused_by_both_paths(tmp_path, mo
     plain = tmp_path / "qwen2.gguf"                     # Qwen2's own q / k / v biases are read
     write_model(plain, "qwen2", Q.F32, embed=Q.F32, bias=True)
     assert converted_gguf_dir(plain).is_dir()
+
+
+def test_a_tokenizer_transformers_cannot_build_is_an_input_error_naming_the_file(tmp_path, monkeypatch):
+    """The tokenizers library raises a bare Exception ("Error while initializing BPE: Token '\\n' out of
+    vocabulary", a llama.cpp-converted Gemma 3 with a gpt2-type vocabulary): it came out as it was."""
+    import transformers
+
+    from kvboost_engine.weights.gguf_config import gguf_tokenizer
+    path = tmp_path / "t.gguf"
+    write_model(path, "llama", Q.Q4_0, embed=Q.Q8_0)
+
+    def unbuildable(*args, **kwargs):
+        raise Exception("Error while initializing BPE: Token `\n` out of vocabulary")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unbuildable)
+    with pytest.raises(InputError, match="(?s)t.gguf: transformers cannot build its tokenizer .*tokenizer.ggml.model is"):
+        gguf_tokenizer(path)

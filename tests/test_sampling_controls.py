@@ -99,6 +99,17 @@ def test_logit_bias_bans_or_forces_a_token(eng):
         eng.chat(HELLO, max_new_tokens=3, logit_bias={10**7: 1})
 
 
+def test_a_turn_end_token_ends_the_reply_as_llama_cpp_ends_it(eng):
+    """A GGUF stores one eos id (SmolLM2's <|im_end|>, Gemma 3's <eos>): its other end-of-generation
+    tokens (<|endoftext|>, Gemma's <end_of_turn>, as llama.cpp lists them) were written as text and
+    dropped, the model writing on to max_new_tokens."""
+    from kvboost_engine.wiring import eos_ids
+    end = eng.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert {end, eng.tokenizer.convert_tokens_to_ids("<|im_end|>")} <= eos_ids(eng.model, eng.tokenizer)
+    forced = eng.chat(HELLO, max_new_tokens=4, logit_bias={end: 100})
+    assert (forced.token_ids, forced.finish_reason) == ([end], "stop")
+
+
 def test_logprobs_are_the_engines_log_softmax_and_change_no_token(eng):
     plain = eng.chat(HELLO, max_new_tokens=12)
     assert plain.logprobs is None

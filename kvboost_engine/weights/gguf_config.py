@@ -45,6 +45,9 @@ def gguf_tokenizer(gguf_path: Path):
     except (IndexError, KeyError) as err:
         raise InputError(f"{gguf_path}: its tokenizer cannot be read ({type(err).__name__}: {err}): a token id "
                          "in its metadata (tokenizer.ggml.eos_token_id, ...) past its vocabulary?") from err
+    except Exception as err:            # the tokenizers library's own (a bare Exception: "Token '\n' out of vocabulary")
+        raise InputError(f"{gguf_path}: transformers cannot build its tokenizer ({type(err).__name__}: {err}); "
+                         f"its tokenizer.ggml.model is {GGUFFile(gguf_path).field('tokenizer.ggml.model')!r}") from err
 
 
 BIASES_READ = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}   # the block biases each model has
