@@ -3,6 +3,8 @@ PackedLinear modules holding AWQ's weights exactly, the native step runs every s
 is token-exact, and streaming, bfloat16 or shapes the step does not read keep the other kernels."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -96,18 +98,39 @@ def test_the_default_elsewhere_is_as_before(qwen2_awq):
         select_layout(torch.device("cuda"), "native")
 
 
-def test_shapes_the_step_does_not_read_take_another_kernel(tmp_path):
-    """k / v of 8 rows (the step reads tiles of 16): those layers keep a PyTorch kernel, the others are
-    native, and the engine runs the model on the PyTorch path, saying why."""
+def test_the_default_is_native_only_where_the_step_would_run(tmp_path):
+    """k / v of 8 rows (the step reads tiles of 16), a layer the checkpoint keeps dense, Phi-3: the
+    native layout loaded them all the same, the step stayed off and every layer dequantized to float32
+    per forward (8x slower than cpu-int4pack in a review). Named, "native" keeps what it can."""
+    from kvboost_tools.awq.quantize import quantized_state, save_checkpoint
+    from kvboost_engine.loading import default_model_dir
+    from tiny_models import tiny_model
     write_tiny_awq(tmp_path / "kv8", "llama", search=False, num_hidden_layers=2, num_attention_heads=8,
                    num_key_value_heads=1)
-    model = load_awq_model(tmp_path / "kv8", device=CPU, dtype=torch.float32, native=True)
+    phi3 = tiny_model("phi3", num_hidden_layers=2)
+    save_checkpoint(phi3, quantized_state(phi3, 32, {}), tmp_path / "phi3", 32, default_model_dir())
+    dense = tiny_model("llama", num_hidden_layers=2)
+    state = quantized_state(dense, 32, {})
+    for leaf in ("qweight", "qzeros", "scales"):
+        state.pop(f"model.layers.0.mlp.down_proj.{leaf}")
+    state["model.layers.0.mlp.down_proj.weight"] = dense.model.layers[0].mlp.down_proj.weight.detach().half()
+    save_checkpoint(dense, state, tmp_path / "dense", 32, default_model_dir())
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.mlp.down_proj"]
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(config))
+    for name in ("kv8", "phi3", "dense"):
+        model = load_awq_model(tmp_path / name, device=CPU, dtype=torch.float32, native=True)
+        assert not any(isinstance(m, PackedLinear) for m in model.modules()), name
+        assert "native" not in model.kvboost_awq.awq_kernel, name
+    model = load_awq_model(tmp_path / "kv8", device=CPU, dtype=torch.float32, kernel="native")
     kinds = {name.rsplit(".", 1)[-1]: type(m) for name, m in model.model.layers[0].named_modules()
              if isinstance(m, (AWQLinear, PackedLinear))}
     assert kinds["k_proj"] is AWQLinear and kinds["q_proj"] is PackedLinear
     assert model.kvboost_awq.awq_kernel == "dequant,native"
-    engine = Engine.from_pretrained(tmp_path / "kv8", cache_bytes=0)
+    engine = Engine.from_pretrained(tmp_path / "kv8", cache_bytes=0, awq_kernel="native")
     assert len(engine.generate("Hello", max_new_tokens=3, min_new_tokens=3).token_ids) == 3
     reason = engine.stats()["native_decode_off"]
     assert engine.stats()["native_decode"] is False and "AWQ layers run awq_kernel dequant" in reason
     assert "model.layers.0.self_attn.k_proj, 8 x 64" in reason
+    kept = Engine.from_pretrained(tmp_path / "dense", cache_bytes=0, awq_kernel="native").stats()["native_decode_off"]
+    assert "keeps 1 decoder linear layers unquantized" in kept

@@ -110,3 +110,29 @@ def test_random_mixes_never_refuse_a_request_that_fits_the_idle_pool(tiny, seed)
             engine.chat(request, max_new_tokens=rng.randrange(1, 8))
         engine.cache.check_invariants()
         assert engine.cache.pool.usage()["in_use"] == 0                     # nothing leaked
+
+
+def test_make_room_frees_ram_behind_a_cached_chunk_in_the_spill_file(tmp_path):
+    """A cached chain whose parent holds RAM blocks and whose leaf only spill-file blocks: the RAM pass
+    counted the parent as freeable, found no leaf freeing RAM (the parent is no leaf) and gave up, so a
+    request the pool could serve was refused."""
+    from kvboost_engine.kv.budget import CacheBudget
+    from kvboost_engine.kv.geometry import KVGeometry
+    from kvboost_engine.kv.radix import RadixTree
+
+    class NoIndex:
+        def remove(self, node):
+            pass
+
+    g = KVGeometry(1, 1, 8, torch.float32)
+    block = 16 * g.bytes_per_token
+    pool = BlockPool(g, 4 * block, "cpu", block_tokens=16, spill_dir=str(tmp_path), spill_bytes=4 * block)
+    tree = RadixTree(b"fp", pool, NoIndex())
+    budget = CacheBudget(tree, 10 ** 9)
+    blocks = pool.allocate(8)                                     # RAM 0-3, spill file 4-7
+    parent = tree.add(tree.root, b"a", tuple(range(64)), blocks[:4], 0, True)
+    tree.add(parent, b"b", tuple(range(64, 128)), blocks[4:], 4, True)
+    pool.release(blocks)
+    budget.make_room(3)
+    assert pool.free_ram_blocks() >= 3 and budget.stats.evictions == 2
+    assert pool.allocate(3) == [0, 1, 2]

@@ -75,22 +75,16 @@ class CacheBudget:
         the PyTorch loop: 11x slower in a review), else anywhere (RAM and spill file)."""
         pool = self.pool
         for free, below in ((pool.free_ram_blocks, pool.ram_blocks), (pool.free_blocks, pool.total_blocks)):
-            missing = blocks - free()
-            if missing <= 0:
+            if free() >= blocks:
                 return
-            if self._freeable(protected, below) < missing:
+            if self._freeable(protected, below) < blocks - free():
                 continue
-            while free() < blocks:
-                victim = next((n for n in self.tree.leaves() if n.uid not in protected and self._frees(n, below)), None)
+            while free() < blocks:      # oldest leaves first, spill-file ones too (a RAM parent is a leaf after them)
+                victim = next((n for n in self.tree.leaves()
+                               if n.uid not in protected and self.pool.only_cached(n.blocks).any()), None)
                 if victim is None:
-                    return
+                    break
                 self.evict(victim)
-            return
-
-    def _frees(self, node: Node, below: int) -> bool:
-        """Whether evicting `node` frees a block with an id below `below`."""
-        ids = np.asarray(node.blocks, dtype=np.int64)
-        return bool((self.pool.only_cached(node.blocks) & (ids < below)).any())
 
     def _freeable(self, protected: set[int], below: int) -> int:
         """Blocks with ids below `below` (ram_blocks: in RAM) that evicting unpinned, unprotected chunks

@@ -91,7 +91,14 @@ def _int4_layout_reason(adapter: ModelAdapter) -> str | None:
 
 def _awq_reason(adapter: ModelAdapter) -> str | None:
     """For an AWQ model some of whose layers run a PyTorch kernel: which and how the step would take them."""
-    layers = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears if type(m) is AWQLinear]
+    if getattr(adapter.model, "kvboost_awq", None) is None:
+        return None
+    linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
+    dense = sum(type(m) is torch.nn.Linear for m in linears)
+    if dense:
+        return (f"the AWQ checkpoint keeps {dense} decoder linear layers unquantized (modules_to_not_convert): "
+                "the step reads every decoder linear packed")
+    layers = [m for m in linears if type(m) is AWQLinear]
     if not layers:
         return None
     kernels = ", ".join(sorted({m.layout.name for m in layers}))

@@ -18,7 +18,7 @@ from torch import nn
 from ...paths import build_folder, build_lock, cache_home
 from ...model import compat
 from ...model.building import building_model
-from ...model.arch import check_supported, decoder_layers, rebuild_rotary, tie_output_embeddings
+from ...model.arch import ModelAdapter, check_supported, decoder_layers, rebuild_rotary, tie_output_embeddings
 from ...errors import InputError, UnsupportedModelError
 from ..residency import LayerBinding, resident_layers_set
 from ..memory import release_free_memory
@@ -86,6 +86,8 @@ def load_awq_model(directory: Path, *, device: torch.device, dtype: torch.dtype,
     ckpt = Checkpoint(directory)
     model = _skeleton(config, awq, ckpt, layout, dtype)
     _load_dense(model, ckpt, dtype)
+    if isinstance(layout, NativeLayout) and kernel is None and not _step_takes(model):
+        _off_native(model)                  # the default: PyTorch's kernels, where the native step would not run
     native_bytes = _native_layers(model, ckpt)
     layers = decoder_layers(model)
     bindings = {i: LayerBinding(awq_modules(layer)) for i, layer in enumerate(layers)}
@@ -200,6 +202,30 @@ def _persistent_buffers(model: nn.Module) -> list:
             if name not in module._non_persistent_buffers_set:
                 out.append((f"{module_name}.{name}" if module_name else name, buf))
     return out
+
+
+def _step_takes(model: nn.Module) -> bool:
+    """Whether the native step would run this model once its AWQ layers are native: plain Llama layers
+    (not Phi-3, no MLP bias), every decoder linear an AWQ layer the native layout reads (none kept
+    dense by modules_to_not_convert, none of a shape it does not read), two rotary kinds at most.
+    Otherwise every layer would run PackedLinear's float32 dequantization per forward: 8x slower
+    than cpu-int4pack in a review."""
+    adapter = ModelAdapter(model)
+    if adapter.plain_llama()[1] is not None or len(set(adapter.layer_rope_kinds)) > 2:
+        return False
+    linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
+    return all(type(m) is AWQLinear and isinstance(m.layout, NativeLayout) for m in linears)
+
+
+def _off_native(model: nn.Module) -> None:
+    """Every AWQ layer of the native layout onto PyTorch's kernel (cpu-int4pack where it reads the shape
+    and passes its check, else dequant)."""
+    fallback = select_layout(torch.device("cpu"))
+    for module in model.modules():
+        if isinstance(module, AWQLinear) and isinstance(module.layout, NativeLayout):
+            k, n, group = module.in_features, module.out_features, module.group_size
+            usable = not isinstance(fallback, CpuInt4PackLayout) or fallback.supports(k, n, group)
+            module.layout = fallback if usable else DequantLayout()
 
 
 def _native_layers(model: nn.Module, ckpt: Checkpoint) -> int:
