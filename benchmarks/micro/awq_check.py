@@ -4,10 +4,11 @@
            [--through model|step] [--out FILE]
 
 Perplexity is over the first N tokens of the fixed evaluation text (texts.evaluation_text,
-3245 tokens), in windows of 512. `--through model` (default) runs each window through the HF module
-tree in one forward; `--through step` token by token through the engine's own step (the native
-step where the engine takes it, the fp32 model's too): the numbers a user's generation gets, and
-the only way to score awq_kernel="native" (its module tree computes in float32 instead).
+3245 tokens), in windows of 512. `--through step` (default) runs each token through the engine's own
+step (the native step where the engine takes it, the fp32 model's too): the numbers a user's
+generation gets, and the only way to score awq_kernel="native" (its module tree computes in float32
+instead); `--through model` each window through the HF module tree in one forward (how figures
+before 2026-12-07 were measured).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--awq", action="append", required=True)
     parser.add_argument("--tokens", default="1024,2048", help="evaluation lengths (first N tokens of the text)")
     parser.add_argument("--kernel", default=None, help="AWQ kernel (default: the engine's choice)")
-    parser.add_argument("--through", choices=("model", "step"), default="model")
+    parser.add_argument("--through", choices=("model", "step"), default="step")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
