@@ -137,8 +137,13 @@ def test_packed_default_model_greedy_replies_equal_the_pytorch_path():
 
 
 def test_a_partly_packed_model_is_refused_with_a_reason():
+    """A float32 head beside packed layers is read (AWQ keeps its head unquantized); a float decoder layer
+    among packed ones is not."""
     model = packed_model("llama", [Q4_1], Q8_0)
     model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    assert weights_kind(ModelAdapter(model)) == "packed"
+    down = model.model.layers[0].mlp.down_proj
+    model.model.layers[0].mlp.down_proj = nn.Linear(down.in_features, down.out_features, bias=False)
     assert weights_kind(ModelAdapter(model)) is None
     assert "PackedLinear" in unsupported_reason(ModelAdapter(model))
 

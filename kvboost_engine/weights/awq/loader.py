@@ -210,7 +210,10 @@ def _step_takes(model: nn.Module) -> bool:
     dense by modules_to_not_convert, none of a shape it does not read), two rotary kinds at most.
     Otherwise every layer would run PackedLinear's float32 dequantization per forward: 8x slower
     than cpu-int4pack in a review."""
-    adapter = ModelAdapter(model)
+    try:
+        adapter = ModelAdapter(model)
+    except InputError:                      # a KV geometry the engine refuses: it says so when it is built
+        return False
     if adapter.plain_llama()[1] is not None or len(set(adapter.layer_rope_kinds)) > 2:
         return False
     linears = [m for i in range(len(adapter.layers)) for m in adapter.layer_parts(i).linears]
