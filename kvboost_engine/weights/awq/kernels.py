@@ -172,6 +172,13 @@ def select_layout(device: torch.device, kernel: str | None = None, native: bool 
     return DequantLayout()
 
 
+def torch_cpu_layout(k: int, n: int, group: int):
+    """PyTorch's kernel for one CPU layer: cpu-int4pack where it reads the shape and passes its
+    self-check, else dequant (where the native layout is not taken)."""
+    layout = select_layout(torch.device("cpu"))
+    return layout if not isinstance(layout, CpuInt4PackLayout) or layout.supports(k, n, group) else DequantLayout()
+
+
 _PROBE: dict[str, bool] = {}
 
 

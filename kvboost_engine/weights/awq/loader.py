@@ -26,7 +26,7 @@ from ..streamer import LayerStreamer
 from ..tiers import HostRamTier, PackFileTier, pack_file_ok, write_pack_file
 from ..checkpoint import Checkpoint, read_header
 from .format import AWQConfig, awq_config_of
-from .kernels import CpuInt4PackLayout, DequantLayout, NativeLayout, select_layout
+from .kernels import CpuInt4PackLayout, NativeLayout, select_layout, torch_cpu_layout
 from .linear import AWQLinear
 
 PACK_FORMAT = "kvboost-awq-pack-1"
@@ -135,10 +135,8 @@ def _skeleton(config, awq: AWQConfig, ckpt: Checkpoint, layout, dtype) -> nn.Mod
             k, n = module.in_features, module.out_features
             _check_shapes(ckpt, name, k, n, awq.group_size)
             chosen = layout
-            if isinstance(layout, NativeLayout) and not layout.supports(k, n, awq.group_size):
-                chosen = select_layout(torch.device("cpu"))             # cpu-int4pack or dequant
-            if isinstance(chosen, CpuInt4PackLayout) and not chosen.supports(k, n, awq.group_size):
-                chosen = DequantLayout()
+            if isinstance(layout, (NativeLayout, CpuInt4PackLayout)) and not layout.supports(k, n, awq.group_size):
+                chosen = torch_cpu_layout(k, n, awq.group_size)             # cpu-int4pack or dequant
             replacement = AWQLinear(k, n, awq.group_size, chosen, module.bias is not None, device="meta",
                                     dtype=dtype, checkpoint_name=name)
             parent, _, child = name.rpartition(".")
@@ -223,12 +221,9 @@ def _step_takes(model: nn.Module) -> bool:
 def _off_native(model: nn.Module) -> None:
     """Every AWQ layer of the native layout onto PyTorch's kernel (cpu-int4pack where it reads the shape
     and passes its check, else dequant)."""
-    fallback = select_layout(torch.device("cpu"))
     for module in model.modules():
         if isinstance(module, AWQLinear) and isinstance(module.layout, NativeLayout):
-            k, n, group = module.in_features, module.out_features, module.group_size
-            usable = not isinstance(fallback, CpuInt4PackLayout) or fallback.supports(k, n, group)
-            module.layout = fallback if usable else DequantLayout()
+            module.layout = torch_cpu_layout(module.in_features, module.out_features, module.group_size)
 
 
 def _native_layers(model: nn.Module, ckpt: Checkpoint) -> int:
