@@ -248,3 +248,53 @@ def test_tier_level_fifo_get_and_contains_return_at_once(tmp_path):
     assert tier.get(key) is None and not path.exists()
     kv = torch.zeros(2, 1, 1, 4, 2)
     assert tier.put(key, 0, (1, 2, 3, 4), kv, True) and tier.get(key)[1] == (1, 2, 3, 4)
+
+
+class _SmallDisk:
+    """A file system of `capacity` bytes under the tier's folder: statvfs reports what is left
+    (unless `report` is False: a quota statvfs does not see) and writes past it fail with ENOSPC."""
+
+    def __init__(self, monkeypatch, root: Path, capacity: int, report: bool = True):
+        import kvboost_engine.kv.disk.tier as tier_module
+        self.root, self.capacity = root, capacity
+        real_write, real_statvfs = tier_module.write_entry, os.statvfs
+
+        def write_entry(fd, fingerprint, key, start, tokens, kv, exact):
+            if self.used() + kv.numel() * kv.element_size() > capacity:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real_write(fd, fingerprint, key, start, tokens, kv, exact)
+
+        def statvfs(path):
+            real = real_statvfs(path)
+            if not report or not str(path).startswith(str(root)):
+                return real
+            free = (capacity - self.used()) // 4096
+            return os.statvfs_result((4096, 4096, capacity // 4096, free, free, 0, 0, 0, 0, 255))
+        monkeypatch.setattr(tier_module, "write_entry", write_entry)
+        monkeypatch.setattr(os, "statvfs", statvfs)
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*.kv"))
+
+
+@pytest.mark.parametrize("seen_by_statvfs", [True, False], ids=["smaller-partition", "quota"])
+def test_a_disk_fuller_than_the_budget_evicts_old_entries_instead_of_refusing_new_ones(tmp_path, monkeypatch,
+                                                                                     seen_by_statvfs):
+    """A budget larger than the room the disk has (8 GiB by default on a small partition, a quota,
+    other files filling it): the tier gives up its oldest entries as the budget would, instead of
+    failing every later write and keeping only the first entries for good."""
+    import torch
+    tier = DiskTier(tmp_path, 1 << 30, FP, fsync=False)
+    disk = _SmallDisk(monkeypatch, tier.root, capacity=1 << 20, report=seen_by_statvfs)
+    keys = [i.to_bytes(16, "big") for i in range(12)]
+    try:
+        for i, key in enumerate(keys):
+            assert tier.put(key, 0, (1, 2, 3), torch.full((48_000,), float(i)), True)
+        assert disk.used() <= disk.capacity
+        for i, key in enumerate(keys[-3:], start=9):
+            assert tier.get(key)[2][0].item() == i        # the newest are there, exact
+        stats = tier.stats()
+        assert stats["write_errors"] == 0 and stats["evictions"] >= 6 and stats["entries"] <= 5
+        assert (stats["disk_full"] > 0) == (not seen_by_statvfs)   # statvfs seen: no write fails at all
+    finally:
+        tier.close()

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import xxhash
 
+from ...errors import InputError
+
 MAGIC = b"KVBOOST\x00"
 FORMAT_VERSION = 1
 MAX_DIMS = 8
@@ -45,6 +47,16 @@ class Entry:
     tokens: tuple[int, ...]
     kv: torch.Tensor
     exact: bool
+
+
+def check_payload(tokens, kv: torch.Tensor) -> torch.Tensor:
+    """Validate an entry's token ids and tensor (InputError); returns `kv` as a contiguous CPU tensor."""
+    if kv.dtype not in DTYPE_CODES or not 1 <= kv.dim() <= MAX_DIMS:
+        raise InputError(f"disk tier stores 1-{MAX_DIMS} dim tensors of {sorted(map(str, DTYPE_CODES))}, "
+                         f"got {kv.dtype} with {kv.dim()} dims")
+    if any(not 0 <= t < 2**31 for t in tokens):
+        raise InputError("token ids must be in [0, 2**31)")
+    return kv.detach().to("cpu").contiguous()
 
 
 def entry_size(n_tokens: int, kv: torch.Tensor) -> int:

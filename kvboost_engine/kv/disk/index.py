@@ -66,6 +66,14 @@ class LruBudget:
                 victims.append(key)
         return victims
 
+    def drop_oldest(self, nbytes: int, protected: set[bytes]) -> list[bytes]:
+        """Drop the least recently used unprotected entries of at least `nbytes` in all and return
+        them; none when `nbytes` <= 0 or the unprotected ones do not add up to it."""
+        victims = self._oldest(nbytes, protected) or []
+        for victim in victims:
+            self.remove(victim)
+        return victims
+
     def _oldest(self, excess: int, protected: set[bytes]) -> list[bytes] | None:
         """The oldest unprotected keys whose sizes sum to at least `excess`; None if too few."""
         victims: list[bytes] = []
@@ -87,6 +95,7 @@ class DiskStats:
     refused: int = 0                # puts larger than the budget, or with no room left
     dropped_writes: int = 0         # put_async calls refused because the queue was full
     write_errors: int = 0
+    disk_full: int = 0              # writes the file system refused for room (older entries then evicted)
     read_errors: int = 0            # I/O errors other than a missing file (file kept)
     evictions: int = 0
     corrupt_files_deleted: int = 0   # bad files, and names that are not regular files (FIFOs, links)

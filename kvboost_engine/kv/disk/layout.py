@@ -22,11 +22,14 @@ from pathlib import Path
 
 import xxhash
 
+from ...errors import InputError
 from .fileformat import FORMAT_VERSION
 
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+DISK_SLACK = 64 << 10         # a new fan-out folder and the last block of a file
 STALE_TEMP_SECONDS = 600      # a temp file of a live pid this old is left over (the pid was reused)
 FOREIGN_TEMP_SECONDS = 30     # a temp file whose writer cannot be checked (other host, old name) this old
 HOST_TAG = xxhash.xxh32_hexdigest(socket.gethostname().encode())   # pids are only comparable on one host
@@ -147,13 +150,12 @@ def writable(folder: Path) -> bool:
     return True
 
 
-def write_atomically(path: Path, write, fsync: bool) -> bool:
+def write_atomically(path: Path, write, fsync: bool) -> OSError | None:
     """Write a file through `write(fd)` under a temp name, then rename it into place, so no reader
-    ever sees it partial. False (and no file, no temp) when the disk refuses (logged)."""
+    ever sees it partial. None when written; else the error, with no file and no temp left."""
     temp = temp_path(path)
     if os.path.islink(path.parent):
-        log.warning("kvboost disk tier: not writing %s: its folder is a symlink", path)
-        return False
+        return OSError(errno.ELOOP, "its folder is a symlink", str(path.parent))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)   # even if removed by hand meanwhile
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -165,11 +167,25 @@ def write_atomically(path: Path, write, fsync: bool) -> bool:
             os.close(fd)
         os.replace(temp, path)
     except OSError as error:
-        log.warning("kvboost disk tier: could not write %s: %s", path, error)
         unlink(temp)
-        return False
+        return error
     stamp(path)
-    return True
+    return None
+
+
+def disk_shortfall(folder: Path, size: int) -> int:
+    """Bytes the file system holding `folder` lacks for a `size`-byte file (0 when it has room,
+    or cannot tell), with one fan-out folder and block rounding to spare."""
+    try:
+        info = os.statvfs(folder)
+    except (OSError, AttributeError):       # AttributeError: no statvfs (Windows)
+        return 0
+    return max(0, size + DISK_SLACK - info.f_bavail * info.f_frsize)
+
+
+def check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InputError(f"disk tier keys are {KEY_BYTES} bytes, got {key!r}")
 
 
 def stamp(path: Path) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from ...errors import InputError
-from .fileformat import DTYPE_CODES, MAX_DIMS, CorruptEntry, check_header, entry_size, read_entry, write_entry
+from .fileformat import CorruptEntry, check_header, check_payload, entry_size, read_entry, write_entry
 from .index import DiskStats, LruBudget
-from .layout import (KEY_BYTES, NotRegularFile, entry_path, open_regular, prepare_root, stamp, still_names, tier_root,
-                     unlink, write_atomically)
+from .layout import (DISK_FULL, KEY_BYTES, NotRegularFile, check_key, disk_shortfall, entry_path, open_regular,
+                     prepare_root, stamp, still_names, tier_root, unlink, write_atomically)
 from .scan import scan
 from .writer import WriteBehind
 
@@ -71,7 +71,8 @@ class DiskTier:
         rest cannot be evicted, the tier is closed, or the write fails (logged). An existing
         file of the same key is replaced atomically.
         """
-        kv = self._check_entry(key, tokens, kv)
+        check_key(key)
+        kv = check_payload(tokens, kv)
         size = entry_size(len(tokens), kv)
         with self._lock:
             if self._closed or self.read_only:
@@ -84,8 +85,9 @@ class DiskTier:
                 self._counters.refused += 1
                 return False
             self._writing.add(key)
+            victims += self._index.drop_oldest(disk_shortfall(self.root, size), self._writing)
             self._unlink_evicted(victims)
-        written = self._write_file(key, start, tokens, kv, exact)
+        written = self._write_file(key, start, tokens, kv, exact, size)
         with self._lock:
             self._writing.discard(key)
             if written and key not in self._index:  # deleted while it was being written
@@ -106,7 +108,8 @@ class DiskTier:
         can never fit the budget or the queue's byte bound is reached (dropped, counted).
         Until its file is in place, `get` serves a queued entry from memory, so the caller
         must not modify `kv` afterwards."""
-        kv = self._check_entry(key, tokens, kv)
+        check_key(key)
+        kv = check_payload(tokens, kv)
         size = entry_size(len(tokens), kv)
         with self._lock:
             if self._closed or self.read_only:
@@ -140,7 +143,7 @@ class DiskTier:
     def get(self, key: bytes) -> tuple[int, tuple[int, ...], torch.Tensor, bool] | None:
         """(start, tokens, kv, exact) of `key`, or None. A corrupt, truncated or foreign file
         is deleted and counted, never served; a file removed meanwhile is a plain miss."""
-        _check_key(key)
+        check_key(key)
         queued = self._writer.lookup(key)
         if queued is not None:
             with self._lock:
@@ -188,7 +191,7 @@ class DiskTier:
     def contains(self, key: bytes, exact: bool = False) -> bool:
         """Whether `key` is queued or on disk (a file written by another process counts). `exact`:
         only an entry stored as exact counts (an engine's exact KV replaces an approximate one)."""
-        _check_key(key)
+        check_key(key)
         queued = self._writer.lookup(key)
         if queued is not None:
             return queued[3] or not exact
@@ -220,7 +223,7 @@ class DiskTier:
 
     def delete(self, key: bytes) -> bool:
         """Remove `key` (queued write or file); True if there was something to remove."""
-        _check_key(key)
+        check_key(key)
         cancelled = self._writer.cancel(key)
         with self._lock:
             known = self._index.remove(key) is not None
@@ -236,20 +239,20 @@ class DiskTier:
     def _path(self, key: bytes) -> Path:
         return entry_path(self.root, key)
 
-    def _check_entry(self, key: bytes, tokens, kv: torch.Tensor) -> torch.Tensor:
-        """Validate put arguments; returns `kv` as a contiguous CPU tensor."""
-        _check_key(key)
-        if kv.dtype not in DTYPE_CODES or not 1 <= kv.dim() <= MAX_DIMS:
-            raise InputError(f"disk tier stores 1-{MAX_DIMS} dim tensors of {sorted(map(str, DTYPE_CODES))}, "
-                             f"got {kv.dtype} with {kv.dim()} dims")
-        if any(not 0 <= t < 2**31 for t in tokens):
-            raise InputError("token ids must be in [0, 2**31)")
-        return kv.detach().to("cpu").contiguous()
-
-    def _write_file(self, key: bytes, start: int, tokens, kv: torch.Tensor, exact: bool) -> bool:
+    def _write_file(self, key: bytes, start: int, tokens, kv: torch.Tensor, exact: bool, size: int) -> bool:
+        """Write the entry's file. A disk that fills up below the budget (ENOSPC, EDQUOT: other
+        files, a smaller partition) costs least recently used entries, once, as the budget would."""
         def write(fd: int) -> None:
             write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
-        return write_atomically(self._path(key), write, self.fsync)
+        error = write_atomically(self._path(key), write, self.fsync)
+        if error is not None and error.errno in DISK_FULL:
+            with self._lock:
+                self._counters.disk_full += 1
+                self._unlink_evicted(self._index.drop_oldest(size, self._writing | {key}))
+            error = write_atomically(self._path(key), write, self.fsync)
+        if error is not None:
+            log.warning("kvboost disk tier: could not write %s: %s", self._path(key), error)
+        return error is None
 
     def _count_miss(self, key: bytes, error: OSError) -> None:
         with self._lock:
@@ -313,7 +316,3 @@ class DiskTier:
         if not self.read_only:
             self._unlink_evicted(self._index.trim(set()))
 
-
-def _check_key(key: bytes) -> None:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise InputError(f"disk tier keys are {KEY_BYTES} bytes, got {key!r}")
