@@ -295,6 +295,6 @@ def test_a_disk_fuller_than_the_budget_evicts_old_entries_instead_of_refusing_ne
             assert tier.get(key)[2][0].item() == i        # the newest are there, exact
         stats = tier.stats()
         assert stats["write_errors"] == 0 and stats["evictions"] >= 6 and stats["entries"] <= 5
-        assert (stats["disk_full"] > 0) == (not seen_by_statvfs)   # statvfs seen: no write fails at all
+        assert (stats["no_room"] > 0) == (not seen_by_statvfs)   # statvfs seen: no write fails at all
     finally:
         tier.close()

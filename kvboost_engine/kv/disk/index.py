@@ -95,7 +95,7 @@ class DiskStats:
     refused: int = 0                # puts larger than the budget, or with no room left
     dropped_writes: int = 0         # put_async calls refused because the queue was full
     write_errors: int = 0
-    disk_full: int = 0              # writes the file system refused for room (older entries then evicted)
+    no_room: int = 0                # writes the file system refused for room (older entries then evicted)
     read_errors: int = 0            # I/O errors other than a missing file (file kept)
     evictions: int = 0
     corrupt_files_deleted: int = 0   # bad files, and names that are not regular files (FIFOs, links)

@@ -247,7 +247,7 @@ class DiskTier:
         error = write_atomically(self._path(key), write, self.fsync)
         if error is not None and error.errno in DISK_FULL:
             with self._lock:
-                self._counters.disk_full += 1
+                self._counters.no_room += 1
                 self._unlink_evicted(self._index.drop_oldest(size, self._writing | {key}))
             error = write_atomically(self._path(key), write, self.fsync)
         if error is not None:
