@@ -60,14 +60,14 @@ class Engine:
             paged = adapter.device.type == "cpu" or self.config.kv_device == "cpu"
             self.config = dataclasses.replace(self.config, paged=paged)
         self.instruments = Instruments()
-        self.disk = disk_tier_for(self.config, self.fingerprint)
+        self._native, self._native_off = native_decoder_for(self.config, adapter)
+        self.disk = disk_tier_for(self.config, self.fingerprint, self._native, adapter)
         self._exit_flush = flush_at_exit(self.disk) if self.disk is not None else None
         pool = pool_for(self.config, adapter, self.disk)
         self.cache = ChunkCache(self.fingerprint, cache_budget(self.config, pool), pool, self.disk,
                                 disk_codec_for(self.config, adapter))
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
         self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        self._native, self._native_off = native_decoder_for(self.config, adapter)
         runner = ModelRunner(Forward(adapter, self._native), self.instruments)
         prefill_parts = PrefillParts(adapter, runner, self.cache, RopeMover(adapter), self.config)
         self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),

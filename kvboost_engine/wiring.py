@@ -108,12 +108,18 @@ def kv_fingerprint(fingerprint: bytes, adapter: ModelAdapter) -> bytes:
     return xxhash.xxh3_128_digest(fingerprint + f"kv:{adapter.geometry.dtype}".encode())
 
 
-def disk_tier_for(config: EngineConfig, fingerprint: bytes):
+def disk_tier_for(config: EngineConfig, fingerprint: bytes, native, adapter: ModelAdapter):
+    """The disk tier, or None. Its folder is keyed by what computed the KV too: the native step's
+    instruction-set variant and prefill, or the PyTorch path on its device (their KV differ in the
+    last bits, so a folder shared by machines or settings never serves one the other's KV as exact)."""
     if not config.disk_cache_dir:
         return None
     from .kv.disk import DiskTier
-    if config.disk_kv_int8:                         # int8 and float entries never mix
-        fingerprint = xxhash.xxh3_128_digest(fingerprint + b"int8")
+    if native is not None:
+        kernel = f"native:{native.isa}:{native.native_prefill}:{native.int8_queries}"
+    else:
+        kernel = f"torch:{adapter.device.type}"
+    fingerprint = xxhash.xxh3_128_digest(fingerprint + kernel.encode() + b"int8" * config.disk_kv_int8)
     return DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint)
 
 

@@ -298,3 +298,26 @@ def test_a_disk_fuller_than_the_budget_evicts_old_entries_instead_of_refusing_ne
         assert (stats["no_room"] > 0) == (not seen_by_statvfs)   # statvfs seen: no write fails at all
     finally:
         tier.close()
+
+
+def test_kv_another_kernel_computed_is_never_served_from_disk(tiny, tmp_path):
+    """The native step and the PyTorch path (or two instruction-set variants) compute KV that
+    differs in the last bits: a folder shared by settings or machines keeps each one's entries
+    apart, so reuse stays exact for both; the same settings find their own entries again."""
+    torch_kv = warm_root(tiny, tmp_path, native_decode=False)
+    with Engine(*tiny, disk_cache_dir=str(tmp_path)) as native:
+        if not native.stats()["native_decode"]:
+            pytest.skip("the native step does not run here")
+        assert native.disk.root != torch_kv
+        gen = native.chat(MESSAGES, max_new_tokens=6)
+        assert native.stats()["disk_hits"] == 0 and gen.reused_tokens == 0
+    with Engine(*tiny, disk_cache_dir=str(tmp_path), native_decode=False) as again:
+        assert again.disk.root == torch_kv
+        again.chat(MESSAGES, max_new_tokens=6)
+        assert again.stats()["disk_hits"] > 0
+
+
+def warm_root(tiny, directory: Path, **options) -> Path:
+    with Engine(*tiny, disk_cache_dir=str(directory), **options) as engine:
+        engine.chat(MESSAGES, max_new_tokens=6)
+        return engine.disk.root
