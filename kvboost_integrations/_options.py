@@ -63,3 +63,8 @@ def check_engine_values(options: dict) -> None:
     engine_config(None, {name: value for name, value in options.items() if name not in LOAD_OPTIONS})
     device = check_device(options.get("device"))
     check_weights_format(options.get("weights"), resolve_dtype(options.get("dtype"), device), device)
+
+
+def stop_list(value):
+    """A `stop` field's value: one string as a one-item list (as ChatOpenAI and the engine read it)."""
+    return [value] if isinstance(value, str) else value

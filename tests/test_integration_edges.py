@@ -56,6 +56,20 @@ def test_zero_bound_tools_and_the_stream_flag(engine):
         llm.bind_tools([], tool_choice="any").invoke("Hi")
 
 
+def test_a_stop_string_given_to_the_constructor_is_one_stop(engine):
+    """As ChatOpenAI(stop="\\n") and the engine take it (a pydantic error before); LangSmith's ls_stop too."""
+    from kvboost_integrations.langchain import KVBoostLLM
+    prompt = "Write a short poem about the sea."
+    full = ChatKVBoost(engine=engine, max_tokens=12).invoke(prompt).content
+    stop = full.split()[2]
+    expected = full[:full.index(stop)]
+    assert ChatKVBoost(engine=engine, max_tokens=12, stop=stop).invoke(prompt).content == expected
+    assert ChatKVBoost(stop=stop)._get_ls_params()["ls_stop"] == [stop]
+    assert KVBoostLLM(stop=stop).stop == KVBoost(stop=stop).stop == [stop]
+    assert KVBoost(engine=engine, max_new_tokens=12, stop=stop).chat([ChatMessage(role="user", content=prompt)]
+                                                                     ).message.content == expected
+
+
 def test_pickling_and_copying_the_langchain_class(engine):
     llm = ChatKVBoost(max_tokens=3, temperature=0, stop=["\n\n"], logit_bias={5: -1.0})
     first = llm.invoke("Hi").content                               # the engine is loaded now

@@ -10,7 +10,8 @@ from openai.types.chat import ChatCompletionChunk  # noqa: E402
 from kvboost_engine import InputError, TextDelta  # noqa: E402
 from kvboost_integrations.langchain import ChatKVBoost, KVBoostLLM  # noqa: E402
 from kvboost_integrations.remote import RemoteEngine  # noqa: E402
-from kvboost_integrations.remote.client import ServerInfo, chat_body, completion_body  # noqa: E402
+from kvboost_integrations.remote.client import ServerInfo  # noqa: E402
+from kvboost_integrations.remote.wire import chat_body, completion_body  # noqa: E402
 from kvboost_integrations.remote.generation import ReplyState  # noqa: E402
 from fake_openai_server import FakeServer  # noqa: E402
 
@@ -34,6 +35,20 @@ def test_the_default_request_is_unchanged():
     assert set(body) == {"model", "messages", "stream", "stream_options", "max_tokens", "temperature", "extra_body"}
     assert body["extra_body"] == {"top_k": -1}          # no cut, as vLLM, SGLang and llama-server read it
     assert "logprobs" not in completion_body("m", "p", {"max_new_tokens": 4})
+
+
+def test_a_stop_string_is_one_stop_on_the_wire():
+    """A plain string is one stop, as the engine and the server read it (it went out split into
+    its characters: 'Observation:' stopped at the first 'O', ' and' at the first space)."""
+    with FakeServer() as server:
+        ChatKVBoost(endpoint=server.url, max_tokens=5).invoke("hi", stop="Observation:")
+        RemoteEngine(server.url).chat([{"role": "user", "content": "hi"}], max_new_tokens=3, stop="\n\n")
+        KVBoostLLM(endpoint=server.url, max_tokens=5).invoke("hi", stop=[" and", "x"])
+        stops = [r.get("stop") for r in server.requests if r["path"].endswith("completions")]
+        assert stops == [["Observation:"], ["\n\n"], [" and", "x"]]
+    assert "stop" not in chat_body("m", [], {"stop": ""})
+    with pytest.raises(InputError, match="stop must be"):
+        chat_body("m", [], {"stop": [5]})
 
 
 def test_a_control_llama_server_would_drop_is_refused_by_name(monkeypatch):

@@ -78,7 +78,7 @@ class SamplingParams:
             raise InputError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
         processing = _processing(repetition_penalty, presence_penalty, frequency_penalty, logit_bias, logprobs,
                                  top_logprobs)
-        return cls(max_new_tokens, float(temperature), float(top_p), top_k, _stops(stop), seed,
+        return cls(max_new_tokens, float(temperature), float(top_p), top_k, stop_strings(stop), seed,
                    min(min_new_tokens, max_new_tokens), skip_special_tokens, **processing)
 
 
@@ -122,7 +122,7 @@ def _real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-def _stops(stop) -> tuple[str, ...]:
+def stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):

@@ -1,17 +1,17 @@
 """Settings both LangChain classes share: which engine, and how to sample."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.runnables import Runnable
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvboost_engine import Engine, Generation
 from kvboost_engine.loading import DEFAULT_MODEL_NAME
 
 from .._bridge import generation_metadata, resolve_engine, token_ids
-from .._options import check_arguments, check_engine_values, local_options
+from .._options import check_arguments, check_engine_values, local_options, stop_list
 from .._sampling import CONTROLS, check_values, engine_params
 from ..remote import RemoteEngine, connect
 
@@ -79,8 +79,8 @@ class KVBoostSettings(BaseModel):
     in ChatOpenAI's format, on streamed chunks too; KVBoostLLM: `generation_info["logprobs"]`)."""
     top_logprobs: int | None = None
     """With `logprobs`, also the 0 to 20 most likely tokens at each position."""
-    stop: list[str] | None = None
-    """Stop strings of any length; the stop string is not returned."""
+    stop: Annotated[list[str] | None, BeforeValidator(stop_list)] = None
+    """Stop strings of any length (one string: one stop); the stop string is not returned."""
     timeout: float | None = None
     """Seconds a request may take (checked between tokens); past it, decoding stops and TimeoutError is raised."""
     max_retries: int = 0
@@ -216,7 +216,7 @@ class KVBoostSettings(BaseModel):
                   "ls_max_tokens": self.max_tokens if kwargs.get("max_tokens") is None else kwargs["max_tokens"]}
         stop = stop if stop is not None else self.stop
         if stop:
-            params["ls_stop"] = list(stop)
+            params["ls_stop"] = stop_list(stop)
         return params
 
 

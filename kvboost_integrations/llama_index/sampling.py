@@ -5,11 +5,13 @@ keyword arguments override both (OpenAI's `max_tokens` / `min_tokens` accepted a
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Annotated, Any, Dict, List, Optional
 
-from llama_index.core.bridge.pydantic import BaseModel, Field
+from llama_index.core.bridge.pydantic import BaseModel, BeforeValidator, Field
 
 from kvboost_engine import InputError
+
+from .._options import stop_list
 
 _SAMPLING = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
@@ -23,7 +25,8 @@ class SamplingSettings(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 = no top-k cut.")
-    stop: Optional[List[str]] = Field(default=None, description="Stop strings (never part of the output).")
+    stop: Annotated[Optional[List[str]], BeforeValidator(stop_list)] = Field(
+        default=None, description="Stop strings (one string: one stop; never part of the output).")
     seed: Optional[int] = Field(default=None, description="Sampling seed.")
     min_new_tokens: Optional[int] = Field(default=None, ge=0, description=(
         "Tokens generated before an end-of-sequence token may end the reply (None/0: no minimum)."))

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from kvboost_engine import GenerationStream, InputError
 
-from .client import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Replica, ServerInfo, chat_body, completion_body
+from .client import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Replica, ServerInfo
+from .wire import chat_body, completion_body
 from .cutoff import CancelEvent
 from .dispatch import Dispatcher
 from .generation import RemoteGeneration
