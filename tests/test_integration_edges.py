@@ -70,6 +70,22 @@ def test_a_stop_string_given_to_the_constructor_is_one_stop(engine):
                                                                      ).message.content == expected
 
 
+def test_message_names_reach_the_chat_template_as_over_the_server():
+    """ChatOpenAI and LlamaIndex's OpenAI send a message's name; the engine and our server pass it to
+    the template (which may render it): the classes dropped it, so a template that renders names got
+    another prompt locally than over the server."""
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from kvboost_integrations.langchain.messages import to_engine_messages as lc_messages
+    from kvboost_integrations.llama_index.messages import to_engine_messages as li_messages
+    given = [HumanMessage("Hi", name="Alice"), AIMessage("Hello", name="Bot"), HumanMessage("Who am I?")]
+    for native in (False, True):
+        assert [m.get("name") for m in lc_messages(given, native_tools=native)] == ["Alice", "Bot", None]
+    assert "name" not in lc_messages([ToolMessage("4", tool_call_id="c1", name="add")], native_tools=False)[0]
+    li = li_messages([ChatMessage(role="user", content="Hi", additional_kwargs={"name": "Alice"}),
+                      ChatMessage(role="user", content="Who am I?")])
+    assert [m.get("name") for m in li] == ["Alice", None]
+
+
 def test_pickling_and_copying_the_langchain_class(engine):
     llm = ChatKVBoost(max_tokens=3, temperature=0, stop=["\n\n"], logit_bias={5: -1.0})
     first = llm.invoke("Hi").content                               # the engine is loaded now

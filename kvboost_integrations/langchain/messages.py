@@ -52,8 +52,8 @@ def _convert(message: BaseMessage, native_tools: bool) -> dict:
             out["content"] = _append_text(out["content"], tool_calls_as_text(message.tool_calls))
     if isinstance(message, ToolMessage) and native_tools:
         out["tool_call_id"] = native_call_id(message.tool_call_id)
-        if message.name:
-            out["name"] = message.name
+    if message.name and (native_tools or not isinstance(message, ToolMessage)):
+        out["name"] = message.name                    # as ChatOpenAI sends it; templates that render names use it
     return out
 
 

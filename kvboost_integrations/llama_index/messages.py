@@ -82,6 +82,9 @@ def _engine_message(message: ChatMessage, index: int, native_tools: bool) -> dic
         out["tool_calls"] = [native_call(name, args, call_id) for name, args, call_id in calls]
     if role == "tool" and native_tools:
         out["tool_call_id"] = native_call_id(message.additional_kwargs.get("tool_call_id"))
+    name = message.additional_kwargs.get("name")
+    if isinstance(name, str) and name and (native_tools or role != "tool"):
+        out["name"] = name                            # as LlamaIndex's OpenAI sends it; templates that render names use it
     return out
 
 
