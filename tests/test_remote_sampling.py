@@ -37,6 +37,19 @@ def test_the_default_request_is_unchanged():
     assert "logprobs" not in completion_body("m", "p", {"max_new_tokens": 4})
 
 
+def test_a_call_naming_no_sampling_answers_as_the_engine_does():
+    """RemoteEngine.chat() with no temperature sampled at the server's default (1.0) and, with no
+    max_new_tokens, ran to the server's limit; Engine.chat() is greedy, 256 tokens."""
+    import inspect
+    from kvboost_engine.request.sampling import SamplingParams
+    from kvboost_integrations.remote.wire import ENGINE_DEFAULTS
+    defaults = inspect.signature(SamplingParams.build).parameters
+    assert all(defaults[name].default == value for name, value in ENGINE_DEFAULTS.items())
+    for body in (chat_body("m", [], {}), completion_body("m", "p", {})):
+        assert (body["temperature"], body["max_tokens"]) == (0.0, 256)
+    assert chat_body("m", [], {"temperature": 0.7})["temperature"] == 0.7
+
+
 def test_a_stop_string_is_one_stop_on_the_wire():
     """A plain string is one stop, as the engine and the server read it (it went out split into
     its characters: 'Observation:' stopped at the first 'O', ' and' at the first space)."""

@@ -7,6 +7,9 @@ from kvboost_engine.request.sampling import stop_strings
 
 SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_new_tokens", "repetition_penalty",
             "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
+# Engine.chat's own defaults, for a call that names neither (a server's would be sampling at 1.0 and,
+# on vLLM, up to the whole window): RemoteEngine answers as Engine does
+ENGINE_DEFAULTS = {"max_new_tokens": 256, "temperature": 0.0}
 
 
 def sampling_body(params: dict) -> dict:
@@ -14,6 +17,7 @@ def sampling_body(params: dict) -> dict:
     unknown = sorted(set(params) - set(SAMPLING))
     if unknown:
         raise InputError(f"unknown sampling parameters {unknown}; accepted: {', '.join(SAMPLING)}")
+    params = {**ENGINE_DEFAULTS, **params}
     body: dict = {"stream": True, "stream_options": {"include_usage": True}}
     if params.get("max_new_tokens") is not None:
         body["max_tokens"] = params["max_new_tokens"]
