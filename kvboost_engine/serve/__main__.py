@@ -25,6 +25,12 @@ def byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+def port_number(text: str) -> int:
+    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port number 0-65535, got {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvboost_engine.serve",
                                 description="Serve one engine over OpenAI's HTTP API.")
@@ -33,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it "
                    "to the network)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--port", type=port_number, default=8000, help="default 8000 (0: a free one)")
     p.add_argument("--api-key", default=os.environ.get("KVBOOST_API_KEY"),
                    help="require Authorization: Bearer <key> on /v1/* and /tokenize (default: $KVBOOST_API_KEY; unset: open)")
     p.add_argument("--max-running", type=int, default=None, help="requests batched together (engine default 16)")
@@ -46,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-body-bytes", type=byte_size, default=None, help="largest request body, 413 past it "
                    "(default 8MiB)")
-    p.add_argument("--drain-timeout-s", type=int, default=30,
+    p.add_argument("--drain-timeout-s", type=float, default=30,
                    help="on SIGTERM, longest wait for in-flight requests (default 30)")
     p.add_argument("--log-level", default="info", help="uvicorn's (default info)")
     return p
@@ -61,16 +67,24 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from ..engine import Engine
-    from .app import MAX_BODY_BYTES, create_app
-    from .server import Server
+    from .server import Server, listen_socket
 
-    engine = Engine.from_pretrained(args.model, **engine_options(args))
+    try:                                    # the address first: a busy port is told at once, not after the load
+        sock = listen_socket(args.host, args.port)
+    except (OSError, OverflowError) as err:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {err}")
+    from ..engine import Engine
+    from ..errors import KVBoostError
+    from .app import MAX_BODY_BYTES, create_app
+    try:
+        engine = Engine.from_pretrained(args.model, **engine_options(args))
+    except KVBoostError as err:             # a model not found, a bad option: the message, not a traceback
+        sock.close()
+        return _fail(str(err))
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)
     app = create_app(engine, model_name=name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES)
-    server = Server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout_s,
-                    log_level=args.log_level)
+    server = Server(app, drain_timeout_s=args.drain_timeout_s, log_level=args.log_level, sock=sock)
     print(f"kvboost: serving {app.state.kvboost.model_name} on {server.url}"
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
     try:
@@ -78,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"kvboost: {message}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

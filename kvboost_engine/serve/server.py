@@ -49,6 +49,12 @@ class _Uvicorn(uvicorn.Server):
                 cut.cancel()
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (OSError when the port is taken or the host is not ours;
+    OverflowError for a port out of range): `serve` takes it before loading a model for minutes."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+
+
 class Server:
     """`create_app(...)`'s app on `host:port` (port 0: a free one; `.port`, `.url` tell which).
 
@@ -56,10 +62,10 @@ class Server:
     listens), `stop()` drains and joins it; also a context manager (start/stop)."""
 
     def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float | None = DRAIN_TIMEOUT_S,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", sock: socket.socket | None = None):
         self.app = app
-        self._socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.host = host
+        self._socket = sock if sock is not None else listen_socket(host, port)     # sock: bound before (listen_socket)
+        self.host = self._socket.getsockname()[0]
         self.port = self._socket.getsockname()[1]
         grace = None if drain_timeout_s is None else drain_timeout_s + CUT_GRACE_S     # None: wait as long as they run
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, lifespan="off")

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,11 +196,12 @@ def save_checkpoint(model: nn.Module, state: dict[str, torch.Tensor], out: Path,
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Write an AWQ (GEMM, 4-bit) checkpoint of an HF model.")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded model)")
-    parser.add_argument("--group-size", type=int, default=32, help="32, 64 or 128 (AutoAWQ's GEMM sizes)")
+    parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
+                        help="32, 64 or 128 (AutoAWQ's GEMM sizes)")
     parser.add_argument("--rows", type=int, default=32, help="calibration rows (0: plain round-to-nearest)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration row")
     parser.add_argument("--loss-rows", type=int, default=DEFAULTS.loss_rows,
@@ -209,18 +211,40 @@ def main(argv=None) -> None:
     parser.add_argument("--no-clip", action="store_true", help="skip the range-clipping search")
     parser.add_argument("--sequential", action="store_true", help="each layer calibrates on the quantized layers before it")
     args = parser.parse_args(argv)
+    problem = out_problem(args.out)         # checked before minutes of calibration, not after them
+    if problem:
+        parser.error(f"--out {args.out}: {problem}")
+    from kvboost_engine import KVBoostError
     from kvboost_engine.loading import load_model_and_tokenizer, resolve_model_dir
 
-    source = resolve_model_dir(args.model, "fp32")       # a .gguf as a float model (its layers as nn.Linear)
-    model, tokenizer = load_model_and_tokenizer(source, device=torch.device("cpu"), dtype=torch.float32)
-    started = time.perf_counter()
-    ids = calibration_ids(tokenizer, args.rows, args.seq_len) if args.rows else None
-    options = SearchOptions(grid=args.grid, clip=not args.no_clip, rounding=args.rounding,
-                            sequential=args.sequential, loss_rows=args.loss_rows)
-    state = quantize_model(model, ids, args.group_size, options)
-    save_checkpoint(model, state, args.out, args.group_size, Path(source) if isinstance(source, Path) else None)
+    try:
+        source = resolve_model_dir(args.model, "fp32")       # a .gguf as a float model (its layers as nn.Linear)
+        model, tokenizer = load_model_and_tokenizer(source, device=torch.device("cpu"), dtype=torch.float32)
+        check_quantizable(model, args.group_size)
+        started = time.perf_counter()
+        ids = calibration_ids(tokenizer, args.rows, args.seq_len) if args.rows else None
+        options = SearchOptions(grid=args.grid, clip=not args.no_clip, rounding=args.rounding,
+                                sequential=args.sequential, loss_rows=args.loss_rows)
+        state = quantize_model(model, ids, args.group_size, options)
+        save_checkpoint(model, state, args.out, args.group_size, Path(source) if isinstance(source, Path) else None)
+    except (KVBoostError, ValueError, OSError) as err:     # a model not found or not quantizable, a full disk
+        print(f"kvboost: {err}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def out_problem(out: Path) -> str | None:
+    """Why a checkpoint cannot be written to `out` (a file there, a folder that cannot be written), or None."""
+    if out.exists() and not out.is_dir():
+        return "exists and is not a folder"
+    folder = out
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} cannot be written"
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
