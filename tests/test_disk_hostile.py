@@ -251,17 +251,19 @@ def test_tier_level_fifo_get_and_contains_return_at_once(tmp_path):
 
 
 class _SmallDisk:
-    """A file system of `capacity` bytes under the tier's folder: statvfs reports what is left
-    (unless `report` is False: a quota statvfs does not see) and writes past it fail with ENOSPC."""
+    """A file system of `capacity` bytes under the tier's folder: statvfs reports what is left and
+    writes past it fail with ENOSPC; or (`report` False) a quota statvfs does not see, failing with
+    EDQUOT; or (`inodes` False) no inode left: ENOSPC whatever the bytes statvfs reports."""
 
-    def __init__(self, monkeypatch, root: Path, capacity: int, report: bool = True):
+    def __init__(self, monkeypatch, root: Path, capacity: int, report: bool = True, inodes: bool = True):
         import kvboost_engine.kv.disk.tier as tier_module
         self.root, self.capacity = root, capacity
         real_write, real_statvfs = tier_module.write_entry, os.statvfs
 
         def write_entry(fd, fingerprint, key, start, tokens, kv, exact):
-            if self.used() + kv.numel() * kv.element_size() > capacity:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if not inodes or self.used() + kv.numel() * kv.element_size() > capacity:
+                code = errno.EDQUOT if report is False and inodes else errno.ENOSPC
+                raise OSError(code, os.strerror(code))
             real_write(fd, fingerprint, key, start, tokens, kv, exact)
 
         def statvfs(path):
@@ -321,3 +323,38 @@ def warm_root(tiny, directory: Path, **options) -> Path:
     with Engine(*tiny, disk_cache_dir=str(directory), **options) as engine:
         engine.chat(MESSAGES, max_new_tokens=6)
         return engine.disk.root
+
+
+def test_a_disk_out_of_inodes_keeps_the_entries_it_cannot_trade_for_room(tmp_path, monkeypatch):
+    """ENOSPC with the bytes free is a file system out of inodes: evicting entries buys no write, so
+    none goes (the first version of the eviction emptied the tier one entry per refused put)."""
+    import torch
+    tier = DiskTier(tmp_path, 1 << 30, FP, fsync=False)
+    try:
+        for i in range(4):
+            assert tier.put(i.to_bytes(16, "big"), 0, (1, 2, 3), torch.full((1000,), float(i)), True)
+        _SmallDisk(monkeypatch, tier.root, capacity=1 << 30, inodes=False)
+        for i in range(4, 10):
+            assert not tier.put(i.to_bytes(16, "big"), 0, (1, 2, 3), torch.full((1000,), float(i)), True)
+        stats = tier.stats()
+        assert (stats["entries"], stats["evictions"], stats["no_room"], stats["write_errors"]) == (4, 0, 0, 6)
+    finally:
+        tier.close()
+
+
+def test_a_budget_near_the_disk_size_evicts_one_entry_per_entry_written(tmp_path, monkeypatch):
+    """The free-room check runs after the budget's own victims are gone: it counted their bytes as
+    missing and evicted a second entry every other put."""
+    import torch
+    size = 4096 * 2 + 1024                                 # payload bytes of one entry, about 9 KB
+    from kvboost_engine.kv.disk.fileformat import entry_size
+    one = entry_size(3, torch.zeros(size // 4))
+    tier = DiskTier(tmp_path, 5 * one, FP, fsync=False)
+    disk = _SmallDisk(monkeypatch, tier.root, capacity=6 * one + (64 << 10))
+    try:
+        for i in range(12):
+            assert tier.put(i.to_bytes(16, "big"), 0, (1, 2, 3), torch.full((size // 4,), float(i)), True)
+            assert tier.stats()["evictions"] == max(0, i - 4)
+        assert disk.used() <= disk.capacity
+    finally:
+        tier.close()

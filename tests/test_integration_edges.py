@@ -84,6 +84,19 @@ def test_message_names_reach_the_chat_template_as_over_the_server():
     li = li_messages([ChatMessage(role="user", content="Hi", additional_kwargs={"name": "Alice"}),
                       ChatMessage(role="user", content="Who am I?")])
     assert [m.get("name") for m in li] == ["Alice", None]
+    from kvboost_engine.serve.protocol import Call                 # the server, with tools: the same rule
+    from kvboost_engine.serve.tools import prepare_tools
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    for native in (False, True):
+        wire = [{"role": "user", "content": "Hi", "name": "Alice"}, {"role": "user", "content": "Who am I?"}]
+        call = Call("chat", None, wire)
+        prepare_tools(call, [tool], "auto", _Tokenizer("{{ tools }}" if native else "plain"))
+        assert [m.get("name") for m in call.payload if m["role"] == "user"] == ["Alice", None]
+
+
+class _Tokenizer:
+    def __init__(self, template: str):
+        self.chat_template, self.name_or_path = template, "t"
 
 
 def test_pickling_and_copying_the_langchain_class(engine):

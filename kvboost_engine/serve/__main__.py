@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import MAX_BODY_BYTES, create_app
     try:
         engine = Engine.from_pretrained(args.model, **engine_options(args))
-    except KVBoostError as err:             # a model not found, a bad option: the message, not a traceback
+    except (KVBoostError, ValueError, OSError) as err:     # a model not found or unreadable, a bad option
         sock.close()
         return _fail(str(err))
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)

@@ -89,8 +89,8 @@ def _message(message: dict, native: bool) -> dict:
                 else [*content, {"type": "text", "text": text}]
     if message.get("role") == "tool" and native:
         out["tool_call_id"] = native_call_id(message.get("tool_call_id"))
-        if message.get("name"):
-            out["name"] = message["name"]
+    if message.get("name") and (native or message.get("role") != "tool"):
+        out["name"] = message["name"]               # as the classes pass it (a template may render names)
     return out
 
 

@@ -28,7 +28,6 @@ from .fileformat import FORMAT_VERSION
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
-DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 DISK_SLACK = 64 << 10         # a new fan-out folder and the last block of a file
 STALE_TEMP_SECONDS = 600      # a temp file of a live pid this old is left over (the pid was reused)
 FOREIGN_TEMP_SECONDS = 30     # a temp file whose writer cannot be checked (other host, old name) this old
@@ -181,6 +180,12 @@ def disk_shortfall(folder: Path, size: int) -> int:
     except (OSError, AttributeError):       # AttributeError: no statvfs (Windows)
         return 0
     return max(0, size + DISK_SLACK - info.f_bavail * info.f_frsize)
+
+
+def refused_for_bytes(error: OSError, folder: Path, size: int) -> bool:
+    """Whether a write failed for bytes that evicting entries would free: a quota (EDQUOT), or ENOSPC
+    where the file system lacks them (ENOSPC with the bytes there is inodes: evicting buys nothing)."""
+    return error.errno == errno.EDQUOT or error.errno == errno.ENOSPC and disk_shortfall(folder, size) > 0
 
 
 def check_key(key: bytes) -> None:

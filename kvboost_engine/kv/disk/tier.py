@@ -12,8 +12,8 @@ import torch
 from ...errors import InputError
 from .fileformat import CorruptEntry, check_header, check_payload, entry_size, read_entry, write_entry
 from .index import DiskStats, LruBudget
-from .layout import (DISK_FULL, KEY_BYTES, NotRegularFile, check_key, disk_shortfall, entry_path, open_regular,
-                     prepare_root, stamp, still_names, tier_root, unlink, write_atomically)
+from .layout import (KEY_BYTES, NotRegularFile, check_key, disk_shortfall, entry_path, open_regular,
+                     prepare_root, refused_for_bytes, stamp, still_names, tier_root, unlink, write_atomically)
 from .scan import scan
 from .writer import WriteBehind
 
@@ -85,8 +85,8 @@ class DiskTier:
                 self._counters.refused += 1
                 return False
             self._writing.add(key)
-            victims += self._index.drop_oldest(disk_shortfall(self.root, size), self._writing)
-            self._unlink_evicted(victims)
+            self._unlink_evicted(victims)           # then what the disk itself lacks (statvfs after those went)
+            self._unlink_evicted(self._index.drop_oldest(disk_shortfall(self.root, size), self._writing))
         written = self._write_file(key, start, tokens, kv, exact, size)
         with self._lock:
             self._writing.discard(key)
@@ -245,7 +245,7 @@ class DiskTier:
         def write(fd: int) -> None:
             write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
         error = write_atomically(self._path(key), write, self.fsync)
-        if error is not None and error.errno in DISK_FULL:
+        if error is not None and refused_for_bytes(error, self.root, size):
             with self._lock:
                 self._counters.no_room += 1
                 self._unlink_evicted(self._index.drop_oldest(size, self._writing | {key}))
