@@ -122,3 +122,32 @@ def test_reasoning_is_checked_at_bind_time_and_honoured_when_bound(qwen3):
         ChatKVBoost(engine=qwen3).bind(reasoning="yes")
     bound = ChatKVBoost(engine=qwen3, max_tokens=10).bind(reasoning=True)
     assert bound.invoke(ASK).additional_kwargs["reasoning_content"] == "Let"
+
+
+def test_a_reply_a_grammar_writes_is_the_answer_after_a_think_block_the_prompt_opened(smol):
+    """A template that opens <think> in the generation prompt (DeepSeek-R1's) with reasoning on:
+    the JSON of with_structured_output / structured_predict and a forced call went to the thinking
+    (an OutputParserException, no tool call)."""
+    import copy
+    from typing import Literal
+    from pydantic import BaseModel
+    from kvboost_engine import Engine
+    from llama_index.core.prompts import PromptTemplate
+
+    class City(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Weather of a city."""
+        return "sunny"
+
+    model, tokenizer = smol
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    with Engine(model, tokenizer) as engine:
+        llm = ChatKVBoost(engine=engine, max_tokens=40, reasoning=True)
+        assert llm.with_structured_output(City).invoke("Weather in Paris?").city in ("Paris", "Rome")
+        assert llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls[0]["args"]
+        li = KVBoost(engine=engine, max_new_tokens=40, thinking=True)
+        assert li.structured_predict(City, PromptTemplate("Weather in {c}?"), c="Paris").city in ("Paris", "Rome")

@@ -100,7 +100,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
     def _open(self, messages: list[BaseMessage], tools: list[dict], choice: str, response_format,
               params: dict, reply: ChatReply, reasoning: bool | None) -> GenerationStream:
         engine = self.get_engine()
-        thinking = self._thinking(engine, reasoning, reply)
+        written = response_format is not None or bool(tools) and choice not in ("auto", "none")   # by a grammar
+        thinking = self._thinking(engine, reasoning, reply, written)
         constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
             check_server(engine.server_info().kind, params)
@@ -128,12 +129,13 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
                                   constraint=fmt.forced_call(forced_tools(tools, choice)), **constrained)
 
     @staticmethod
-    def _thinking(engine, reasoning: bool | None, reply: ChatReply) -> dict:
+    def _thinking(engine, reasoning: bool | None, reply: ChatReply, written: bool) -> dict:
         """The template's thinking switch for `reasoning` (refused when it has none); with True, the
-        reply's thinking goes to `reasoning_content`, apart from the answer."""
+        reply's thinking goes to `reasoning_content`, apart from the answer. A reply a grammar writes
+        (`written`: JSON, a forced call) is all answer, even after a think block the prompt opened."""
         thinking = thinking_kwargs(engine.tokenizer, reasoning, remote=is_remote(engine))
         if reasoning:
-            inside = not is_remote(engine) and opens_thinking(engine.tokenizer, thinking)
+            inside = not is_remote(engine) and not written and opens_thinking(engine.tokenizer, thinking)
             reply.thinking = ThinkingSplitter(inside=inside)
         return thinking
 

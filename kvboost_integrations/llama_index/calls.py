@@ -89,6 +89,11 @@ class EngineCall:
             self._layout = engine.encode_messages(messages, **template_kwargs)
         return engine.stream_chat(messages, template_kwargs=template_kwargs or None, **_without_stop(params))
 
+    @property
+    def written(self) -> bool:
+        """Whether a grammar writes the whole reply (a JSON grammar, a forced tool call)."""
+        return self.grammar is not None or bool(self.tools) and self.tool_choice not in (None, "auto", "none")
+
     def _thinking(self, engine) -> dict:
         """The template's thinking switch for `reasoning` (refused where there is none); with it on,
         whether the reply starts inside a think block the prompt opened (`inside`)."""
@@ -101,8 +106,9 @@ class EngineCall:
             self.inside = False
             return {}
         kwargs = thinking_kwargs(engine.tokenizer, self.reasoning, remote=is_remote(engine), name="thinking")
-        if self.reasoning:
-            self.inside = not is_remote(engine) and opens_thinking(engine.tokenizer, {**self.template_kwargs, **kwargs})
+        if self.reasoning:                  # a reply a grammar writes (JSON, a forced call) is all answer
+            self.inside = not is_remote(engine) and not self.written and opens_thinking(
+                engine.tokenizer, {**self.template_kwargs, **kwargs})
         return kwargs
 
     def _start_remote(self, engine, thinking: dict) -> GenerationStream:
@@ -117,8 +123,7 @@ class EngineCall:
             if self.document_order == "cache":
                 messages, self._documents_from_cache = engine.order_documents(messages)
             self._layout = engine.encode_messages(messages)
-        forced = self.grammar is not None or (self.tools and self.tool_choice not in (None, "auto", "none"))
-        params = {k: v for k, v in self.params.items() if k != "stop"} if forced else self.params
+        params = {k: v for k, v in self.params.items() if k != "stop"} if self.written else self.params
         return engine.stream_chat(messages, template_kwargs={**self.template_kwargs, **thinking} or None,
                                   tools=self.tools or None,
                                   tool_choice=self.tool_choice, response_format=_response_format(self.grammar),
