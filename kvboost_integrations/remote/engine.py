@@ -171,9 +171,10 @@ class RemoteEngine:
         return self._sent_messages(self.layout.lay_out(list(messages), record=False))
 
     def _sent_messages(self, prompt) -> list[dict]:
-        """The prompt's messages as sent: content parts kept (documents as document parts) for our
-        own server, which caches documents itself; parts joined as text for any other. The server
-        is asked what it is only for a prompt that has parts."""
+        """The prompt's messages as sent: content parts kept (documents as document parts) and earlier
+        thinking (reasoning_content) for our own server, which caches documents itself and templates
+        the thinking; parts joined as text, no thinking, for any other. The server is asked what it
+        is only for a prompt that has either."""
         if prompt.part_messages == prompt.messages or not self.server_info().takes_documents:
             return prompt.messages
         return prompt.part_messages

@@ -198,12 +198,16 @@ def _wire_message(message: dict, parts: list[tuple[str, str]], blend_separator: 
 
 
 def _part_message(message: dict, parts: list[tuple[str, str]], wire: dict) -> dict:
-    """`wire` with the content as parts when the message came as parts (string content stays a
-    string); moved volatile text is a text part."""
-    if not isinstance(message["content"], list):
-        return wire
-    content = [{"type": "document" if kind == "document" else "text", "text": text} for kind, text in parts]
-    return {**wire, "content": content or wire["content"]}
+    """`wire` as our own server reads it: the content as parts when the message came as parts (string
+    content stays a string; moved volatile text is a text part), and an assistant turn's thinking
+    (`reasoning_content`) for its template, which keeps or drops it as a local engine's does."""
+    out = dict(wire)
+    if isinstance(message["content"], list):
+        content = [{"type": "document" if kind == "document" else "text", "text": text} for kind, text in parts]
+        out["content"] = content or wire["content"]
+    if message.get("role") == "assistant" and isinstance(message.get("reasoning_content"), str):
+        out["reasoning_content"] = message["reasoning_content"]
+    return out
 
 
 def _join(parts: list[tuple[str, str]], blend_separator: str | None) -> str:
