@@ -216,11 +216,11 @@ class Engine:
     def encode_prompt(self, prompt) -> TokenizedPrompt:
         return self.prompt_tokenizer.encode(segments_from_prompt(prompt), add_special_prefix=True)
 
-    def count_tokens(self, text_or_messages) -> int:
-        """Prompt tokens the engine would use for a string or for messages."""
+    def count_tokens(self, text_or_messages, **template_kwargs) -> int:
+        """Prompt tokens the engine would use for a string or for messages (with chat-template kwargs)."""
         if isinstance(text_or_messages, str):
             return len(self.encode_prompt(text_or_messages))
-        return len(self.encode_messages(text_or_messages))
+        return len(self.encode_messages(text_or_messages, **template_kwargs))
 
     # ---- cache control ------------------------------------------------------------------
     def warm(self, text_or_messages, *, pin: bool = False) -> int:

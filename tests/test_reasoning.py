@@ -151,3 +151,19 @@ def test_a_reply_a_grammar_writes_is_the_answer_after_a_think_block_the_prompt_o
         assert llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls[0]["args"]
         li = KVBoost(engine=engine, max_new_tokens=40, thinking=True)
         assert li.structured_predict(City, PromptTemplate("Weather in {c}?"), c="Paris").city in ("Paris", "Rome")
+
+
+def test_token_counts_take_the_thinking_switch_and_template_kwargs(qwen3):
+    """Qwen3's switch off writes an empty think block into the prompt: the LlamaIndex count and the
+    count over an endpoint left it out (13 against the 17 tokens the call used)."""
+    pytest.importorskip("starlette")
+    from kvboost_engine.serve import Server, create_app
+    question = [ChatMessage(role="user", content=ASK)]
+    for options in ({"thinking": False}, {"template_kwargs": {"enable_thinking": False}}, {"thinking": True}):
+        llm = KVBoost(engine=qwen3, max_new_tokens=2, **options)
+        assert llm.count_prompt_tokens(question) == llm.chat(question).raw["usage"]["prompt_tokens"]
+    with Server(create_app(qwen3)) as server:
+        for reasoning in (False, True, None):
+            llm = ChatKVBoost(endpoint=server.url, max_tokens=2, reasoning=reasoning)
+            used = llm.invoke([HumanMessage(ASK)]).usage_metadata["input_tokens"]
+            assert llm.get_num_tokens_from_messages([HumanMessage(ASK)]) == used

@@ -179,7 +179,8 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         formatted = [convert_to_openai_tool(tool) for tool in tools or ()]
         engine = self.get_engine()
         if is_remote(engine):
-            return engine.count_tokens(to_engine_messages(messages, native_tools=True), tools=formatted or None)
+            return engine.count_tokens(to_engine_messages(messages, native_tools=True), tools=formatted or None,
+                                       **thinking_kwargs(engine.tokenizer, self.reasoning, remote=True))
         fmt = tool_format(engine.tokenizer)
         chat = to_engine_messages(messages, native_tools=fmt.native)
         chat, template_kwargs = with_tools(chat, formatted, fmt) if formatted else (chat, {})

@@ -4,17 +4,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Dict, List, Optional, Union
 
-from llama_index.core.base.llms.types import (
-    ChatMessage,
-    ChatResponse,
-    ChatResponseAsyncGen,
-    ChatResponseGen,
-    CompletionResponse,
-    CompletionResponseAsyncGen,
-    CompletionResponseGen,
-    LLMMetadata,
-    MessageRole,
-)
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
+                                               CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
+                                               LLMMetadata, MessageRole)
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -25,9 +17,10 @@ from kvboost_engine import Engine, InputError
 
 from .._bridge import resolve_engine
 from .._options import check_arguments, check_engine_values, local_options
+from .._reasoning import thinking_kwargs
 from .._sampling import check_values
 from .sampling import SamplingSettings
-from ..remote import RemoteEngine, connect
+from ..remote import RemoteEngine, connect, is_remote
 from .calls import EngineCall, ResponseShaper, alast, last
 from .messages import ModelTokenizer, check_messages, to_engine_messages
 from .structured import StructuredOutput
@@ -177,8 +170,12 @@ class KVBoost(SamplingSettings, StructuredOutput, FunctionCallingLLM):
         return self.messages_to_prompt(messages) if self._custom_messages_to_prompt else to_engine_messages(messages)
 
     def count_prompt_tokens(self, messages: Sequence[ChatMessage]) -> int:
-        """Prompt tokens these messages take as chat() sends them."""
-        return self.engine.count_tokens(self.chat_prompt(messages))
+        """Prompt tokens these messages take as chat() sends them (template_kwargs and thinking included)."""
+        prompt, engine = self.chat_prompt(messages), self.engine
+        if isinstance(prompt, str):
+            return engine.count_tokens(prompt)
+        thinking = thinking_kwargs(engine.tokenizer, self.thinking, remote=is_remote(engine), name="thinking")
+        return engine.count_tokens(prompt, **{**self.template_kwargs, **thinking})
 
     # ---- requests ----------------------------------------------------------------------
     def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict, custom: bool = True) -> EngineCall:

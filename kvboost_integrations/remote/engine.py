@@ -133,17 +133,17 @@ class RemoteEngine:
             return AutoTokenizer.from_pretrained(option)
         return option
 
-    def count_tokens(self, text_or_messages, *, tools: list[dict] | None = None) -> int:
+    def count_tokens(self, text_or_messages, *, tools: list[dict] | None = None, **template_kwargs) -> int:
         """Tokens of a text, or prompt tokens of chat messages (the chat template included, with
-        `tools`, OpenAI tool dicts, rendered by it)."""
+        `tools`, OpenAI tool dicts, and `template_kwargs` such as enable_thinking, rendered by it)."""
         tokenizer = self.tokenizer
         if isinstance(text_or_messages, str):
             return len(tokenizer.encode(text_or_messages) if isinstance(tokenizer, ServerTokenizer)
                        else encode_local(tokenizer, text_or_messages))
         wire = self._sent_messages(self.layout.lay_out(list(text_or_messages), record=False))
         if isinstance(tokenizer, ServerTokenizer):
-            return tokenizer.count_chat(wire, tools)
-        return count_chat_local(tokenizer, wire, tools)
+            return tokenizer.count_chat(wire, tools, template_kwargs)
+        return count_chat_local(tokenizer, wire, tools, template_kwargs)
 
     def encode_messages(self, messages, **template_kwargs) -> RemotePrompt:
         """Token counts of the laid-out prompt's segments, for document-reuse telemetry.

@@ -62,10 +62,12 @@ class ServerTokenizer:
                                                  "parse_special": False})["tokens"])
         return [0] * math.ceil(len(text) / CHARS_PER_TOKEN)
 
-    def count_chat(self, messages: list[dict], tools: list[dict] | None = None) -> int:
-        """Prompt tokens of wire `messages` (and `tools`) with the server's chat template and
-        generation prompt."""
+    def count_chat(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None) -> int:
+        """Prompt tokens of wire `messages` (and `tools`, and chat-template kwargs) with the server's
+        chat template and generation prompt."""
         with_tools = {"tools": tools} if tools else {}
+        if template_kwargs:                 # vLLM's /tokenize and llama-server's /apply-template read it
+            with_tools["chat_template_kwargs"] = dict(template_kwargs)
         if self.kind in VLLM_SHAPE:
             return int(self._post("/tokenize", {"model": self.model, "messages": messages,
                                                 "add_generation_prompt": True, **with_tools})["count"])
@@ -78,9 +80,11 @@ class ServerTokenizer:
                 + len(self.encode(tool_text)))
 
 
-def count_chat_local(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> int:
-    """Prompt tokens of wire `messages` (and `tools`) with a local HF tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+def count_chat_local(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> int:
+    """Prompt tokens of wire `messages` (and `tools`, template kwargs) with a local HF tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return len(ids)
