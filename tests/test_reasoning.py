@@ -151,6 +151,8 @@ def test_a_reply_a_grammar_writes_is_the_answer_after_a_think_block_the_prompt_o
         assert llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls[0]["args"]
         li = KVBoost(engine=engine, max_new_tokens=40, thinking=True)
         assert li.structured_predict(City, PromptTemplate("Weather in {c}?"), c="Paris").city in ("Paris", "Rome")
+        with pytest.raises(InputError, match="cannot be turned off"):      # (it said the template has neither)
+            ChatKVBoost(engine=engine, max_tokens=2, reasoning=False).invoke("Hi")
 
 
 def test_token_counts_take_the_thinking_switch_and_template_kwargs(qwen3):
