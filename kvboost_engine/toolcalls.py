@@ -215,7 +215,10 @@ def native_call(name: str, args: dict, call_id: str | None) -> dict:
 
 def native_call_id(call_id: str | None) -> str:
     """A 9-character alphanumeric id for a call id (Mistral's templates accept no other), the same
-    for the call and for its result."""
+    for the call and for its result; one already of that form is kept (so mapping twice, by a client
+    and by our server, gives the id the local engine uses)."""
+    if isinstance(call_id, str) and len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
     return hashlib.sha1((call_id or "").encode()).hexdigest()[:9]
 
 

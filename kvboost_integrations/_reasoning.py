@@ -26,9 +26,9 @@ def thinking_kwargs(tokenizer, reasoning: bool | None, *, remote: bool = False, 
     template = _template(tokenizer)
     if remote or SWITCH in template:
         return {SWITCH: reasoning}
-    if THINK_OPEN in template:                      # always thinks (the prompt opens the block): separate only
-        if reasoning:
-            return {}
+    if reasoning and THINK_OPEN in template:        # always thinks (the prompt opens the block): separate only
+        return {}
+    if THINK_OPEN in template and opens_thinking(tokenizer, {}):
         raise InputError(f"{name}=False: this model's chat template opens a think block in every reply and has "
                          f"no switch ({SWITCH}): its thinking cannot be turned off (None keeps it in the text)")
     raise InputError(f"{name}={reasoning} needs a model whose chat template has a thinking switch "

@@ -255,13 +255,15 @@ class _SmallDisk:
     writes past it fail with ENOSPC; or (`report` False) a quota statvfs does not see, failing with
     EDQUOT; or (`inodes` False) no inode left: ENOSPC whatever the bytes statvfs reports."""
 
-    def __init__(self, monkeypatch, root: Path, capacity: int, report: bool = True, inodes: bool = True):
+    def __init__(self, monkeypatch, root: Path, capacity: int, report: bool = True, inodes: bool = True,
+                 max_files: int = 0):
         import kvboost_engine.kv.disk.tier as tier_module
         self.root, self.capacity = root, capacity
         real_write, real_statvfs = tier_module.write_entry, os.statvfs
 
         def write_entry(fd, fingerprint, key, start, tokens, kv, exact):
-            if not inodes or self.used() + kv.numel() * kv.element_size() > capacity:
+            if (not inodes or self.used() + kv.numel() * kv.element_size() > capacity
+                    or max_files and self.inodes() > max_files):
                 code = errno.EDQUOT if report is False and inodes else errno.ENOSPC
                 raise OSError(code, os.strerror(code))
             real_write(fd, fingerprint, key, start, tokens, kv, exact)
@@ -271,12 +273,16 @@ class _SmallDisk:
             if not report or not str(path).startswith(str(root)):
                 return real
             free = (capacity - self.used()) // 4096
-            return os.statvfs_result((4096, 4096, capacity // 4096, free, free, 0, 0, 0, 0, 255))
+            files = max(0, max_files - self.inodes())
+            return os.statvfs_result((4096, 4096, capacity // 4096, free, free, max_files, files, files, 0, 255))
         monkeypatch.setattr(tier_module, "write_entry", write_entry)
         monkeypatch.setattr(os, "statvfs", statvfs)
 
     def used(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*.kv"))
+
+    def inodes(self) -> int:
+        return len(list(self.root.rglob("*")))          # entries, temps and fan-out folders
 
 
 @pytest.mark.parametrize("seen_by_statvfs", [True, False], ids=["smaller-partition", "quota"])
@@ -325,9 +331,9 @@ def warm_root(tiny, directory: Path, **options) -> Path:
         return engine.disk.root
 
 
-def test_a_disk_out_of_inodes_keeps_the_entries_it_cannot_trade_for_room(tmp_path, monkeypatch):
-    """ENOSPC with the bytes free is a file system out of inodes: evicting entries buys no write, so
-    none goes (the first version of the eviction emptied the tier one entry per refused put)."""
+def test_enospc_that_entries_would_not_buy_keeps_them(tmp_path, monkeypatch):
+    """ENOSPC with bytes and inodes free (a file system's own metadata full): evicting entries buys no
+    write, so none goes (the first version of the eviction emptied the tier one entry per refused put)."""
     import torch
     tier = DiskTier(tmp_path, 1 << 30, FP, fsync=False)
     try:
@@ -356,5 +362,22 @@ def test_a_budget_near_the_disk_size_evicts_one_entry_per_entry_written(tmp_path
             assert tier.put(i.to_bytes(16, "big"), 0, (1, 2, 3), torch.full((size // 4,), float(i)), True)
             assert tier.stats()["evictions"] == max(0, i - 4)
         assert disk.used() <= disk.capacity
+    finally:
+        tier.close()
+
+
+def test_inodes_the_tier_holds_itself_are_traded_as_bytes_are(tmp_path, monkeypatch):
+    """A file system out of inodes, held by the tier's own files: it evicts its oldest entry (and one
+    more where the fan-out folder is new) and keeps writing; it stopped at the 11th entry for good."""
+    import torch
+    tier = DiskTier(tmp_path, 1 << 30, FP, fsync=False)
+    _SmallDisk(monkeypatch, tier.root, capacity=1 << 30, max_files=12)
+    keys = [i.to_bytes(16, "big") for i in range(30)]            # one fan-out folder ("00")
+    try:
+        for i, key in enumerate(keys):
+            assert tier.put(key, 0, (1, 2, 3), torch.full((100,), float(i)), True)
+        assert tier.get(keys[-1])[2][0].item() == 29
+        stats = tier.stats()
+        assert stats["write_errors"] == 0 and stats["entries"] == 11 and stats["evictions"] == 19
     finally:
         tier.close()

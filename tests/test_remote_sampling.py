@@ -50,6 +50,27 @@ def test_a_call_naming_no_sampling_answers_as_the_engine_does():
     assert chat_body("m", [], {"temperature": 0.7})["temperature"] == 0.7
 
 
+def test_earlier_thinking_alone_does_not_ask_an_unknown_server_what_it_is(monkeypatch):
+    """A history with reasoning_content made RemoteEngine ask /v1/models (to know whether the server is
+    ours), which a server without that endpoint answers 404: a plain request failed."""
+    with FakeServer() as server:
+        engine = RemoteEngine(server.url, served_model="fake-model")
+        monkeypatch.setattr(engine, "server_info", lambda: pytest.fail("asked the server what it is"))
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "r"},
+                   {"role": "user", "content": "again"}]
+        engine.chat(history, max_new_tokens=2)
+        sent = next(r for r in server.requests if r["path"] == "/v1/chat/completions")["messages"]
+        assert all("reasoning_content" not in m for m in sent)
+
+
+def test_a_tool_call_id_mapped_twice_stays_the_one_the_local_engine_uses():
+    """Mistral's 9-character ids: the client maps a call id, our server mapped it again (a sha1 of the
+    mapped id), so the server's prompt differed from the local one (130 against 128 tokens)."""
+    from kvboost_engine.toolcalls import native_call_id
+    once = native_call_id("call_1")
+    assert native_call_id(once) == once and len(once) == 9 and once != native_call_id("call_2")
+
+
 def test_a_stop_string_is_one_stop_on_the_wire():
     """A plain string is one stop, as the engine and the server read it (it went out split into
     its characters: 'Observation:' stopped at the first 'O', ' and' at the first space)."""

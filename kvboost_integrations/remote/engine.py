@@ -174,10 +174,14 @@ class RemoteEngine:
         """The prompt's messages as sent: content parts kept (documents as document parts) and earlier
         thinking (reasoning_content) for our own server, which caches documents itself and templates
         the thinking; parts joined as text, no thinking, for any other. The server is asked what it
-        is only for a prompt that has either."""
-        if prompt.part_messages == prompt.messages or not self.server_info().takes_documents:
+        is only for a prompt with parts (thinking alone goes only where the answer is known already:
+        the classes ask it on every request; a server without /v1/models still answers plain ones)."""
+        if prompt.part_messages == prompt.messages:
             return prompt.messages
-        return prompt.part_messages
+        plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in prompt.part_messages]
+        if self._info is None and plain == prompt.messages:     # thinking only: not worth a question to the server
+            return prompt.messages
+        return prompt.part_messages if self.server_info().takes_documents else prompt.messages
 
     # ---- requests -----------------------------------------------------------------------------
     def stream_chat(self, messages, *, template_kwargs: dict | None = None, tools: list[dict] | None = None,

@@ -66,24 +66,25 @@ class LruBudget:
                 victims.append(key)
         return victims
 
-    def drop_oldest(self, nbytes: int, protected: set[bytes]) -> list[bytes]:
-        """Drop the least recently used unprotected entries of at least `nbytes` in all and return
-        them; none when `nbytes` <= 0 or the unprotected ones do not add up to it."""
-        victims = self._oldest(nbytes, protected) or []
+    def drop_oldest(self, nbytes: int, protected: set[bytes], count: int = 0) -> list[bytes]:
+        """Drop the least recently used unprotected entries, at least `nbytes` in all and at least
+        `count` of them, and return them; none when the unprotected ones do not reach that."""
+        victims = self._oldest(nbytes, protected, count) or []
         for victim in victims:
             self.remove(victim)
         return victims
 
-    def _oldest(self, excess: int, protected: set[bytes]) -> list[bytes] | None:
-        """The oldest unprotected keys whose sizes sum to at least `excess`; None if too few."""
+    def _oldest(self, excess: int, protected: set[bytes], count: int = 0) -> list[bytes] | None:
+        """The oldest unprotected keys whose sizes sum to at least `excess`, at least `count` keys;
+        None if too few."""
         victims: list[bytes] = []
         for key, size in self._sizes.items():
-            if excess <= 0:
+            if excess <= 0 and len(victims) >= count:
                 break
             if key not in protected:
                 victims.append(key)
                 excess -= size
-        return victims if excess <= 0 else None
+        return victims if excess <= 0 and len(victims) >= count else None
 
 
 @dataclass(slots=True)

@@ -155,9 +155,14 @@ def write_atomically(path: Path, write, fsync: bool) -> OSError | None:
     temp = temp_path(path)
     if os.path.islink(path.parent):
         return OSError(errno.ELOOP, "its folder is a symlink", str(path.parent))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)   # even if removed by hand meanwhile
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fd = os.open(temp, flags, 0o644)
+        except FileNotFoundError:                        # emptied and removed by an eviction meanwhile
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(temp, flags, 0o644)
         try:
             write(fd)
             if fsync:
@@ -182,10 +187,21 @@ def disk_shortfall(folder: Path, size: int) -> int:
     return max(0, size + DISK_SLACK - info.f_bavail * info.f_frsize)
 
 
-def refused_for_bytes(error: OSError, folder: Path, size: int) -> bool:
-    """Whether a write failed for bytes that evicting entries would free: a quota (EDQUOT), or ENOSPC
-    where the file system lacks them (ENOSPC with the bytes there is inodes: evicting buys nothing)."""
-    return error.errno == errno.EDQUOT or error.errno == errno.ENOSPC and disk_shortfall(folder, size) > 0
+def room_lacking(error: OSError, path: Path, size: int) -> tuple[int, int]:
+    """(bytes, files) a write of `size` bytes at `path` lacked, by its `error`: what evicting entries
+    can give. A quota (EDQUOT): the entry's bytes and a file. ENOSPC: the bytes the file system
+    lacks, or (inodes all taken, on one that counts them) a file and the fan-out folder if it is
+    missing. (0, 0): not for room, or nothing eviction would buy."""
+    if error.errno == errno.EDQUOT:
+        return size, 1
+    if error.errno != errno.ENOSPC:
+        return 0, 0
+    try:
+        info = os.statvfs(path.parent.parent)
+    except (OSError, AttributeError):       # AttributeError: no statvfs (Windows)
+        return 0, 0
+    lacking = max(0, size + DISK_SLACK - info.f_bavail * info.f_frsize)
+    return lacking, (2 - path.parent.is_dir() if info.f_files and not info.f_favail else 0)
 
 
 def check_key(key: bytes) -> None:
@@ -200,6 +216,17 @@ def stamp(path: Path) -> None:
         os.utime(path, ns=(now, now), follow_symlinks=False)
     except (OSError, NotImplementedError):
         pass
+
+
+def unlink_entry(path: Path) -> bool:
+    """Remove an entry file, and its fan-out folder if that leaves it empty (an empty folder holds an
+    inode and a block: on a full file system, room no entry could give back)."""
+    removed = unlink(path)
+    try:
+        os.rmdir(path.parent)
+    except OSError:                                     # not empty (the usual case), or gone
+        pass
+    return removed
 
 
 def unlink(path: Path) -> bool:

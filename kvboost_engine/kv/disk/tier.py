@@ -13,7 +13,8 @@ from ...errors import InputError
 from .fileformat import CorruptEntry, check_header, check_payload, entry_size, read_entry, write_entry
 from .index import DiskStats, LruBudget
 from .layout import (KEY_BYTES, NotRegularFile, check_key, disk_shortfall, entry_path, open_regular,
-                     prepare_root, refused_for_bytes, stamp, still_names, tier_root, unlink, write_atomically)
+                     prepare_root, room_lacking, stamp, still_names, tier_root, unlink, unlink_entry,
+                     write_atomically)
 from .scan import scan
 from .writer import WriteBehind
 
@@ -245,10 +246,11 @@ class DiskTier:
         def write(fd: int) -> None:
             write_entry(fd, self.fingerprint, key, start, tokens, kv, exact)
         error = write_atomically(self._path(key), write, self.fsync)
-        if error is not None and refused_for_bytes(error, self.root, size):
+        lacking, files = room_lacking(error, self._path(key), size) if error is not None else (0, 0)
+        if lacking or files:
             with self._lock:
                 self._counters.no_room += 1
-                self._unlink_evicted(self._index.drop_oldest(size, self._writing | {key}))
+                self._unlink_evicted(self._index.drop_oldest(lacking, self._writing | {key}, files))
             error = write_atomically(self._path(key), write, self.fsync)
         if error is not None:
             log.warning("kvboost disk tier: could not write %s: %s", self._path(key), error)
@@ -295,7 +297,7 @@ class DiskTier:
 
     def _unlink_evicted(self, victims: list[bytes]) -> None:
         for victim in victims:
-            unlink(self._path(victim))
+            unlink_entry(self._path(victim))
             self._counters.evictions += 1
 
     def _scan(self) -> None:
