@@ -206,8 +206,8 @@ class Engine:
         return self.adapter.context_window
 
     # ---- prompts ------------------------------------------------------------------------
-    def encode_messages(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> TokenizedPrompt:
-        """Messages -> segments (via the chat template) -> token ids and chunk boundaries."""
+    def encode_messages(self, messages, *, add_generation_prompt: bool | None = True, **template_kwargs) -> TokenizedPrompt:
+        """Messages -> segments (via the chat template) -> token ids and chunk boundaries (None: as warm())."""
         if self._renderer is None:
             raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         segments = self._renderer.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
@@ -226,15 +226,14 @@ class Engine:
     def warm(self, text_or_messages, *, pin: bool = False) -> int:
         """Compute and cache the KV of a prompt prefix (e.g. a system prompt) without generating.
 
-        Messages are rendered without the generation prompt, so the result is a prefix of later
-        chats. `pin=True` keeps it from eviction (raises BudgetError if it cannot fit).
+        Messages are rendered as the beginning of a chat going on with a user turn (a system prompt
+        alone too, where the template folds it into that turn: Gemma 3, Mistral), so the result is a
+        prefix of later chats. `pin=True` keeps it from eviction (raises BudgetError if it cannot fit).
         Returns the number of tokens now cached for it.
         """
         self._check_open()
-        if isinstance(text_or_messages, str):
-            prompt = self.encode_prompt(text_or_messages)
-        else:
-            prompt = self.encode_messages(text_or_messages, add_generation_prompt=False)
+        prompt = (self.encode_prompt(text_or_messages) if isinstance(text_or_messages, str)
+                  else self.encode_messages(text_or_messages, add_generation_prompt=None))
         n = len(prompt)
         check_window(self._parts, n, 0)
         if pin:

@@ -164,6 +164,30 @@ def test_a_next_turn_is_the_prompt_a_fresh_engine_tokenizes(smol):
     assert memo.chat(again, max_new_tokens=2).reused_tokens >= reply.prompt_tokens + len(reply.token_ids) - 1
 
 
+# Gemma 3's way: the system prompt goes into the first user turn; a system message alone renders nothing
+FOLDING_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+                    "{% set rest = messages[1:] %}{% else %}{% set first = '' %}{% set rest = messages %}{% endif %}"
+                    "{% for m in rest %}<|im_start|>{{ m['role'] }}\n{% if loop.first %}{{ first }}{% endif %}"
+                    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                    "{% endif %}")
+
+
+def test_warming_a_system_prompt_the_template_folds_into_the_user_turn(smol):
+    """warm([system]) on such a template (Gemma 3, Mistral) cached nothing of the system prompt (the
+    chat rendered empty) and said so only by a count of 0; it caches what a chat begins with now."""
+    import copy
+    model, tokenizer = smol
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = FOLDING_TEMPLATE
+    warm, cold = Engine(model, tokenizer), Engine(model, tokenizer, cache_bytes=0)
+    system = [{"role": "system", "content": SYSTEM}]
+    warmed = warm.warm(system)
+    assert warmed > 100
+    chat = system + [{"role": "user", "content": "Hi, who are you?"}]
+    reply = warm.chat(chat, max_new_tokens=8)
+    assert reply.reused_tokens >= warmed and reply.token_ids == cold.chat(chat, max_new_tokens=8).token_ids
+
+
 def test_pinned_system_prompt_survives_pressure(smol):
     model, tokenizer = smol
     small = Engine(model, tokenizer, cache_bytes=400 * 46080)
