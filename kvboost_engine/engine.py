@@ -184,10 +184,8 @@ class Engine:
         self._check_open()
         if (prompt is None) == (messages is None):
             raise InputError("pass exactly one of prompt or messages")
-        if messages is None:
-            tokenized = self.encode_prompt(prompt)
-        else:
-            tokenized = self.encode_messages(messages, **template_options(template_kwargs))
+        tokenized = (self.encode_prompt(prompt) if messages is None
+                     else self.encode_messages(messages, **template_options(template_kwargs)))
         check_window(self._parts, len(tokenized), 1)
         return self._scheduler.call(lambda: self._prefill_and_store(tokenized)).logits
 
@@ -206,8 +204,8 @@ class Engine:
         return self.adapter.context_window
 
     # ---- prompts ------------------------------------------------------------------------
-    def encode_messages(self, messages, *, add_generation_prompt: bool | None = True, **template_kwargs) -> TokenizedPrompt:
-        """Messages -> segments (via the chat template) -> token ids and chunk boundaries (None: as warm())."""
+    def encode_messages(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> TokenizedPrompt:
+        """Messages -> segments (via the chat template) -> token ids and chunk boundaries."""
         if self._renderer is None:
             raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         segments = self._renderer.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
@@ -232,8 +230,11 @@ class Engine:
         Returns the number of tokens now cached for it.
         """
         self._check_open()
-        prompt = (self.encode_prompt(text_or_messages) if isinstance(text_or_messages, str)
-                  else self.encode_messages(text_or_messages, add_generation_prompt=None))
+        if isinstance(text_or_messages, str):
+            prompt = self.encode_prompt(text_or_messages)
+        else:                                   # checked as a chat is, then rendered as the beginning of one
+            self.encode_messages(text_or_messages, add_generation_prompt=False)
+            prompt = self.prompt_tokenizer.encode(self._renderer.prefix(text_or_messages), add_special_prefix=False)
         n = len(prompt)
         check_window(self._parts, n, 0)
         if pin:

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from kvboost_engine import Engine
+from kvboost_engine import Engine, InputError
 
 SYSTEM = ("You are a concise assistant for a bicycle repair shop. Opening hours are 8 to 18 on weekdays. "
           "A tune-up costs 45 euros, a new chain 25 euros, brake pads 15 euros per wheel. ") * 3
@@ -186,6 +186,10 @@ def test_warming_a_system_prompt_the_template_folds_into_the_user_turn(smol):
     chat = system + [{"role": "user", "content": "Hi, who are you?"}]
     reply = warm.chat(chat, max_new_tokens=8)
     assert reply.reused_tokens >= warmed and reply.token_ids == cold.chat(chat, max_new_tokens=8).token_ids
+    with pytest.raises(InputError, match="all messages are empty"):       # refused as a chat is, as before
+        warm.warm([{"role": "system", "content": ""}])
+    with pytest.raises(InputError, match="add_generation_prompt must be a bool"):
+        warm.chat(chat, template_kwargs={"add_generation_prompt": None}, max_new_tokens=2)
 
 
 def test_pinned_system_prompt_survives_pressure(smol):

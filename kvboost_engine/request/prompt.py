@@ -131,15 +131,11 @@ class ChatRenderer:
             raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         self.tokenizer = tokenizer
 
-    def render(self, messages, *, add_generation_prompt: bool | None = True, **template_kwargs) -> list[Segment]:
-        """Segments of the rendered chat. `add_generation_prompt=None`: the chat as the prefix of one
-        going on with a user turn (what `Engine.warm` caches; see `_prefix`)."""
+    def render(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> list[Segment]:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise InputError("messages must be a list of {'role', 'content'} dicts")
         if not messages:
             raise InputError("messages is empty")
-        if add_generation_prompt is None:
-            return self._prefix(messages, template_kwargs)
         for name, value in (("add_generation_prompt", add_generation_prompt),
                             ("continue_final_message", template_kwargs.get("continue_final_message", False))):
             if not isinstance(value, bool):         # Jinja would take "false" as true
@@ -164,23 +160,23 @@ class ChatRenderer:
             return [Segment(self._apply(real, add_generation_prompt, template_kwargs), "text")]
         return segments
 
-    def _prefix(self, messages, template_kwargs: dict) -> list[Segment]:
-        """The segments a chat going on from `messages` with a user turn begins with. For a chat that
-        ends with a system message, rendered with a user turn after it and cut before that turn's
-        text: templates that fold the system prompt into a user turn (Gemma 3: the first; Mistral:
-        the last) render nothing of it without one. Otherwise, or where the template refuses that
-        turn, the chat without a generation prompt."""
+    def prefix(self, messages) -> list[Segment]:
+        """The segments a chat going on from `messages` with a user turn begins with (what
+        `Engine.warm` caches). For a chat that ends with a system message, rendered with a user turn
+        after it and cut before that turn's text: templates that fold the system prompt into a user
+        turn (Gemma 3: the first; Mistral: the last) render nothing of it without one. Otherwise, or
+        where the template refuses that turn, the chat without a generation prompt (which checks it)."""
+        plain = self.render(messages, add_generation_prompt=False)
         last = messages[-1]
         if isinstance(last, Mapping) and last.get("role") == "system":
             try:
-                probe = [*messages, {"role": "user", "content": _PROBE}]
-                segments = self.render(probe, add_generation_prompt=False, **template_kwargs)
+                segments = self.render([*messages, {"role": "user", "content": _PROBE}], add_generation_prompt=False)
             except InputError:
                 segments = []
-            at = next((i for i, seg in enumerate(segments) if seg.kind != "glue" and seg.text == _PROBE), None)
-            if at is not None:
+            at = next((i for i, seg in enumerate(segments) if seg.kind != "glue" and seg.text == _PROBE), 0)
+            if at:
                 return segments[:at]
-        return self.render(messages, add_generation_prompt=False, **template_kwargs)
+        return plain
 
     def _apply(self, messages, add_generation_prompt: bool, template_kwargs: dict) -> str:
         """The chat as the template renders it. What the caller sent (its messages, its template_kwargs)
