@@ -67,7 +67,7 @@ class Engine:
         self.cache = ChunkCache(self.fingerprint, cache_budget(self.config, pool), pool, self.disk,
                                 disk_codec_for(self.config, adapter))
         self.prompt_tokenizer = PromptTokenizer(tokenizer, self.config.chunk_tokens, self.config.reply_memo_entries)
-        self._renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self._renderer = ChatRenderer(tokenizer)
         runner = ModelRunner(Forward(adapter, self._native), self.instruments)
         prefill_parts = PrefillParts(adapter, runner, self.cache, RopeMover(adapter), self.config)
         self._parts = EngineParts(prefill_parts, self.prompt_tokenizer, tokenizer, eos_ids(model, tokenizer),
@@ -206,8 +206,6 @@ class Engine:
     # ---- prompts ------------------------------------------------------------------------
     def encode_messages(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> TokenizedPrompt:
         """Messages -> segments (via the chat template) -> token ids and chunk boundaries."""
-        if self._renderer is None:
-            raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         segments = self._renderer.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         return self.prompt_tokenizer.encode(segments, add_special_prefix=False)
 
@@ -232,8 +230,7 @@ class Engine:
         self._check_open()
         if isinstance(text_or_messages, str):
             prompt = self.encode_prompt(text_or_messages)
-        else:                                   # checked as a chat is, then rendered as the beginning of one
-            self.encode_messages(text_or_messages, add_generation_prompt=False)
+        else:
             prompt = self.prompt_tokenizer.encode(self._renderer.prefix(text_or_messages), add_special_prefix=False)
         n = len(prompt)
         check_window(self._parts, n, 0)

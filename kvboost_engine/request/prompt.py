@@ -127,11 +127,11 @@ class ChatRenderer:
     """Renders messages with a tokenizer's chat template into segments."""
 
     def __init__(self, tokenizer):
-        if not getattr(tokenizer, "chat_template", None):
-            raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         self.tokenizer = tokenizer
 
     def render(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> list[Segment]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InputError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise InputError("messages must be a list of {'role', 'content'} dicts")
         if not messages:
