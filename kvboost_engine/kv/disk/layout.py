@@ -200,8 +200,8 @@ def room_lacking(error: OSError, path: Path, size: int) -> tuple[int, int]:
         info = os.statvfs(path.parent.parent)
     except (OSError, AttributeError):       # AttributeError: no statvfs (Windows)
         return 0, 0
-    lacking = max(0, size + DISK_SLACK - info.f_bavail * info.f_frsize)
-    return lacking, (2 - path.parent.is_dir() if info.f_files and not info.f_favail else 0)
+    out_of_inodes = info.f_files and not info.f_favail
+    return disk_shortfall(path.parent.parent, size), (2 - path.parent.is_dir() if out_of_inodes else 0)
 
 
 def check_key(key: bytes) -> None:
