@@ -105,10 +105,9 @@ class ChatKVBoost(KVBoostSettings, BaseChatModel):
         constrained = {k: v for k, v in params.items() if k != "stop"}   # the grammar decides the end
         if is_remote(engine):       # the server applies its template, parses tool calls and guides JSON
             check_server(engine.server_info().kind, params)
-            forced = response_format is not None or (tools and choice != "auto")
             return engine.stream_chat(to_engine_messages(messages, native_tools=True), tools=tools or None,
                                       tool_choice=choice, response_format=response_format,
-                                      template_kwargs=thinking or None, **(constrained if forced else params))
+                                      template_kwargs=thinking or None, **(constrained if written else params))
         if self.timeout is not None:        # the engine's own bound also covers queueing and prefill
             params = {**params, "timeout_s": self.timeout}
             constrained = {**constrained, "timeout_s": self.timeout}
